@@ -1,0 +1,64 @@
+"""``dash-agent``: parse, build a config, run until told to stop, exit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from agent.server import AgentConfig, AgentServer
+from dashrun import env
+from dashrun.console import run_click, setup_logging
+from dashrun.errors import ExitCode
+from dashrun.memd.config import DEFAULT_PORT
+from dashrun.units import parse_address, read_token
+
+PROGRAM = "dash-agent"
+log = logging.getLogger(PROGRAM)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--memd", envvar=env.MEMD.name, required=True, help="HOST:PORT of dash-memd.")
+@click.option("--token-file", envvar=env.TOKEN_FILE.name, required=True, type=click.Path(dir_okay=False))
+@click.option("--socket", "socket_path", envvar=env.AGENT_SOCKET.name, required=True,
+              type=click.Path(dir_okay=False), help="Unix socket the node's ranks connect to.")
+@click.option("--parent-pid", type=int, default=None,
+              help="Exit (after delivering handed-over shards) when this process is gone.")
+@click.option("--memd-timeout", default=60.0, show_default=True, type=float)
+@click.option("--drain-timeout", default=60.0, show_default=True, type=float,
+              help="Seconds to deliver handed-over shards when stopping.")
+@click.option("--log-level", default="INFO", show_default=True)
+def cli(memd, token_file, socket_path, parent_pid, memd_timeout, drain_timeout, log_level) -> None:
+    """Forward the node's checkpoints to dash-memd (started by dashrun; rarely run by hand)."""
+    setup_logging(PROGRAM, log_level)
+    host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
+    config = AgentConfig(memd_host=host, memd_port=port, token=read_token(token_file),
+                         socket_path=Path(socket_path), memd_timeout=memd_timeout, drain_timeout=drain_timeout)
+    sys.exit(run(config, parent_pid))
+
+
+def run(config: AgentConfig, parent_pid: int | None = None) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):  # record only; the main thread acts
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = AgentServer(config)
+    server.start()
+    while not stop.wait(1.0):
+        if parent_pid is not None and os.getppid() != parent_pid:
+            log.warning("launcher (pid %d) is gone; delivering what was handed over, then exiting", parent_pid)
+            break
+    server.stop()
+    return int(ExitCode.OK)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_click(cli, PROGRAM, argv)

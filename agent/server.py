@@ -1,0 +1,327 @@
+"""dash-agent's service to the ranks of its node.
+
+Ranks connect to a Unix socket. A rank hands over a staged shard by sending
+a SNAPSHOT frame with the shared-memory segment's file descriptor attached
+(SCM_RIGHTS): the bytes never pass through the socket. Each rank connection
+has its own sender thread and its own connection to dash-memd, which streams
+the segment with ``sendfile`` and answers the rank — "your buffer may be
+reused" — once dash-memd has stored and verified the shard. The agent holds
+its own descriptor of the segment, so a shard handed over is still delivered
+if its rank dies right after.
+
+RESTORE fetches a committed checkpoint from dash-memd once per node into a
+new segment that every local rank maps, so a node downloads the state once
+however many ranks it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dashrun.channel import Channel, Frame
+from dashrun.client import MemdClient
+from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.protocol import (
+    MAX_STEP, CheckpointInfo, Kind, ShardHeader, field_float, field_int, field_job, field_step,
+)
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64
+
+
+def align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    memd_host: str
+    memd_port: int
+    token: bytes = dataclasses.field(repr=False)
+    socket_path: Path = Path("agent.sock")
+    #: seconds one request to dash-memd may stay silent before it counts as lost
+    memd_timeout: float = 60.0
+    #: seconds a fetched restore image is kept for the node's other ranks
+    restore_ttl: float = 120.0
+    #: seconds to finish handed-over shards on SIGTERM
+    drain_timeout: float = 60.0
+
+
+@dataclasses.dataclass
+class RestoreImage:
+    """A committed checkpoint laid out for ranks: the replicated state, then each shard's tail."""
+
+    info: CheckpointInfo
+    fd: int
+    tails: list[int]  # offset of each old rank's private bytes + meta in the image
+    created: float = dataclasses.field(default_factory=time.monotonic)
+
+    def describe(self) -> dict[str, Any]:
+        return {"checkpoint": self.info.to_body(), "tails": self.tails}
+
+
+class RestoreCache:
+    """One fetch per (job, step) per node; kept briefly for the other local ranks."""
+
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self._lock = threading.Lock()
+        self._fetching: dict[str, threading.Lock] = {}
+        self._images: dict[tuple[str, int], RestoreImage] = {}
+
+    def _client(self) -> MemdClient:
+        return MemdClient(self.config.memd_host, self.config.memd_port, self.config.token,
+                          timeout=self.config.memd_timeout)
+
+    def get(self, job: str, step: int | None) -> RestoreImage | None:
+        self.expire()
+        with self._client() as client:
+            info = client.latest(job, step)
+            if info is None:
+                return None
+            with self._lock:
+                job_lock = self._fetching.setdefault(job, threading.Lock())
+            with job_lock:
+                with self._lock:
+                    image = self._images.get((job, info.step))
+                if image is None or image.info.committed_at != info.committed_at:
+                    image = self._fetch(client, info)
+                    with self._lock:
+                        old = self._images.pop((job, info.step), None)
+                        self._images[(job, info.step)] = image
+                    if old is not None:
+                        os.close(old.fd)
+                return image
+
+    def _fetch(self, client: MemdClient, info: CheckpointInfo) -> RestoreImage:
+        tails, position = [], align(info.rep_total)
+        for shard in info.shards:
+            tails.append(position)
+            position = align(position + shard.private_len + shard.meta_len)
+        fd = os.memfd_create(f"dashrun-restore-{info.job}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, max(position, 1))
+            started = time.monotonic()
+            with mmap.mmap(fd, max(position, 1)) as mapped, memoryview(mapped) as image:
+                for shard, tail in zip(info.shards, tails):
+                    client.get_shard_into(info.job, info.step, shard.rank, [
+                        image[shard.rep_start:shard.rep_end],
+                        image[tail:tail + shard.private_len + shard.meta_len],
+                    ])
+            log.info("fetched %s step %d (%d bytes) in %.2fs", info.job, info.step, info.nbytes,
+                     time.monotonic() - started)
+        except BaseException:
+            os.close(fd)
+            raise
+        return RestoreImage(info, fd, tails)
+
+    def expire(self, everything: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key, image in list(self._images.items()):
+                if everything or now - image.created > self.config.restore_ttl:
+                    del self._images[key]
+                    os.close(image.fd)
+
+
+class RankConnection:
+    """One rank's connection: a reader (this thread), a sender thread, helpers for slow requests."""
+
+    def __init__(self, agent: AgentServer, sock: socket.socket):
+        self.agent = agent
+        self.ch = Channel(sock)
+        self._send_lock = threading.Lock()
+        self._snapshots: queue.Queue[tuple[Any, ShardHeader, int] | None] = queue.Queue()
+        self.sender = threading.Thread(target=self._send_loop, name="agent-sender", daemon=True)
+        self.who = "rank ?"
+
+    def reply(self, request_id: Any, body: dict[str, Any] | None = None, fds=()) -> None:
+        with self._send_lock:
+            try:
+                self.ch.send(Kind.OK, {**(body or {}), "id": request_id}, fds=fds)
+            except UnavailableError:
+                pass  # the rank is gone; nothing to tell it
+
+    def reply_error(self, request_id: Any, err: BaseException) -> None:
+        with self._send_lock:
+            try:
+                self.ch.send_error(err, id=request_id)
+            except UnavailableError:
+                pass
+
+    def serve(self) -> None:
+        self.sender.start()
+        try:
+            while True:
+                frame = self.ch.recv()
+                try:
+                    self._dispatch(frame)
+                except BaseException:
+                    frame.close_fds()
+                    raise
+        except UnavailableError:
+            pass  # the rank exited or died: shards it handed over are still delivered
+        except ProtocolError as e:
+            log.warning("%s: %s", self.who, e)
+        finally:
+            self._snapshots.put(None)
+
+    def _dispatch(self, frame: Frame) -> None:
+        request_id = field_int(frame.body, "id", 0, MAX_STEP)
+        if frame.kind == Kind.SNAPSHOT:
+            if len(frame.fds) != 1:
+                raise ProtocolError("SNAPSHOT needs exactly one segment descriptor")
+            try:
+                header = ShardHeader.from_body(frame.body.get("shard") or {})
+            except ProtocolError as e:
+                frame.close_fds()
+                self.reply_error(request_id, e)
+                return
+            self.who = f"{header.job} rank {header.rank}"
+            self._snapshots.put((request_id, header, frame.fds.pop()))
+        elif frame.kind == Kind.RESTORE:
+            frame.close_fds()
+            threading.Thread(target=self._restore, args=(request_id, frame.body), daemon=True).start()
+        elif frame.kind == Kind.WAIT:
+            frame.close_fds()
+            threading.Thread(target=self._wait, args=(request_id, frame.body), daemon=True).start()
+        elif frame.kind == Kind.PING:
+            frame.close_fds()
+            self.reply(request_id, {"pid": os.getpid()})
+        else:
+            raise ProtocolError(f"unexpected {frame.kind.name}")
+
+    def _send_loop(self) -> None:
+        client = self.agent.memd_client()
+        try:
+            while (item := self._snapshots.get()) is not None:
+                request_id, header, fd = item
+                try:
+                    result = self._put_with_retry(client, header, fd)
+                    self.reply(request_id, {"committed": bool(result.get("committed")), "crc": result.get("crc")})
+                except DashError as e:
+                    self.agent.report_failure(header.job, e)
+                    self.reply_error(request_id, e)
+                finally:
+                    os.close(fd)
+        finally:
+            client.close()
+
+    @staticmethod
+    def _put_with_retry(client: MemdClient, header: ShardHeader, fd: int) -> dict[str, Any]:
+        try:
+            return client.put_shard(header, fd)
+        except UnavailableError:
+            # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
+            return client.put_shard(header, fd)
+
+    def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
+        try:
+            step = field_step(body) if body.get("step") is not None else None
+            image = self.agent.restores.get(field_job(body), step)
+            if image is None:
+                self.reply(request_id, {"found": False})
+            else:
+                self.reply(request_id, {"found": True, **image.describe()}, fds=[image.fd])
+        except DashError as e:
+            self.reply_error(request_id, e)
+        except Exception as e:
+            log.exception("restore failed")
+            self.reply_error(request_id, e)
+
+    def _wait(self, request_id: Any, body: dict[str, Any]) -> None:
+        try:
+            timeout = field_float(body, "timeout", 0.0, 3600.0)
+            with self.agent.memd_client() as client:
+                committed = client.wait(field_job(body), field_step(body), timeout)
+            self.reply(request_id, {"committed": committed})
+        except DashError as e:
+            self.reply_error(request_id, e)
+
+
+class AgentServer:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.restores = RestoreCache(config)
+        self._listener: socket.socket | None = None
+        self._connections: list[RankConnection] = []
+        self._lock = threading.Lock()
+        self._reported: dict[str, str] = {}
+
+    def memd_client(self) -> MemdClient:
+        return MemdClient(self.config.memd_host, self.config.memd_port, self.config.token,
+                          timeout=self.config.memd_timeout)
+
+    def report_failure(self, job: str, err: DashError) -> None:
+        """Log a delivery failure once per job and kind, not once per shard."""
+        if self._reported.get(job) != err.code.value:
+            self._reported[job] = err.code.value
+            log.error("%s: shards are not reaching dash-memd at %s:%d: %s", job, self.config.memd_host,
+                      self.config.memd_port, err)
+
+    def start(self) -> None:
+        path = self.config.socket_path
+        if path.exists():
+            path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is for this user's ranks only
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(256)
+        self._listener = listener
+        threading.Thread(target=self._accept_loop, name="agent-accept", daemon=True).start()
+        log.info("serving ranks on %s, forwarding to dash-memd at %s:%d", path, self.config.memd_host,
+                 self.config.memd_port)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            if not _same_user(sock):
+                sock.close()
+                continue
+            conn = RankConnection(self, sock)
+            with self._lock:
+                self._connections.append(conn)
+            threading.Thread(target=conn.serve, name="agent-rank", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop accepting, deliver what ranks already handed over (within the drain timeout)."""
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+            self.config.socket_path.unlink(missing_ok=True)
+        deadline = time.monotonic() + self.config.drain_timeout
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            conn._snapshots.put(None)
+        for conn in connections:
+            if conn.sender.is_alive():
+                conn.sender.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.restores.expire(everything=True)
+
+
+def _same_user(sock: socket.socket) -> bool:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid in (os.getuid(), 0)
+

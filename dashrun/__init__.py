@@ -1,0 +1,35 @@
+"""dashrun: PyTorch distributed training on Spot VMs, checkpointed to remote memory.
+
+The data path::
+
+    rank (Checkpointer) --memfd + Unix socket--> dash-agent --TCP--> dash-memd
+                                                                 RAM -> disk
+
+* :mod:`dashrun.checkpointer` — the rank side: stages state into reused shared
+  memory beside the next forward/backward, hands it to the node's agent,
+  restores the newest committed checkpoint. The only part that imports torch.
+* :mod:`dashrun.protocol`, :mod:`dashrun.channel` — the one wire format.
+* :mod:`dashrun.memd` — dash-memd: catalogue, tiers, server.
+* :mod:`dashrun.launcher`, :mod:`dashrun.cli` — the ``dashrun`` command, a
+  torchrun drop-in built on torch's own elastic launcher.
+* :mod:`dashrun.env` — every ``DASH_*`` variable the processes exchange.
+* :mod:`dashrun.errors` — exceptions and exit codes.
+
+``import dashrun`` does not import torch; ``dashrun.Checkpointer`` does, on
+first use, so dash-agent and dash-memd run on machines without torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Checkpointer", "ExitCode", "__version__"]
+__version__ = "0.1.0"
+
+from dashrun.errors import ExitCode
+
+
+def __getattr__(name: str):
+    if name == "Checkpointer":
+        from dashrun.checkpointer import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'dashrun' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from dashrun.cli import main
+
+main()

@@ -1,0 +1,99 @@
+"""A rank's connection to its node's dash-agent.
+
+Requests carry an ``id`` and may overlap (a snapshot in flight while the rank
+waits for a commit); a reader thread matches replies to futures. Nothing
+here blocks a rank for long: connecting and every request have timeouts,
+and if the agent goes away every pending request fails at once with
+UnavailableError — the rank reports it and trains on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import socket
+import threading
+from typing import Any, Sequence
+
+from dashrun import errors
+from dashrun.channel import Channel, Frame
+from dashrun.errors import UnavailableError
+from dashrun.protocol import Kind
+
+
+class AgentLink:
+    def __init__(self, path: str, *, connect_timeout: float = 5.0):
+        self.path = path
+        self.connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._ch: Channel | None = None
+        self._pending: dict[int, concurrent.futures.Future[Frame]] = {}
+        self._ids = itertools.count(1)
+
+    def _connect(self) -> Channel:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.connect_timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as e:
+            sock.close()
+            raise UnavailableError(f"cannot reach dash-agent at {self.path}: {e.strerror or e}") from None
+        sock.settimeout(None)  # replies may be minutes apart; each request has its own timeout
+        ch = Channel(sock)
+        threading.Thread(target=self._read_loop, args=(ch,), name="dashrun-agent-reader", daemon=True).start()
+        return ch
+
+    def request(self, kind: Kind, body: dict[str, Any] | None = None,
+                fds: Sequence[int] = ()) -> concurrent.futures.Future[Frame]:
+        """Send a request; the future resolves to the OK reply or fails with the agent's error."""
+        future: concurrent.futures.Future[Frame] = concurrent.futures.Future()
+        with self._lock:
+            request_id = next(self._ids)
+            try:
+                if self._ch is None:
+                    self._ch = self._connect()
+                self._pending[request_id] = future
+                self._ch.send(kind, {**(body or {}), "id": request_id}, fds=fds)
+            except UnavailableError as e:
+                self._pending.pop(request_id, None)
+                self._drop(self._ch, e)
+                future.set_exception(e)
+        return future
+
+    def call(self, kind: Kind, body: dict[str, Any] | None = None, *, timeout: float) -> Frame:
+        future = self.request(kind, body)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise UnavailableError(f"dash-agent did not answer {kind.name} within {timeout:.0f}s") from None
+
+    def _read_loop(self, ch: Channel) -> None:
+        try:
+            while True:
+                frame = ch.recv()
+                future = self._pending.pop(frame.body.get("id"), None)
+                if future is None:
+                    frame.close_fds()
+                elif frame.kind == Kind.ERROR:
+                    frame.close_fds()
+                    future.set_exception(errors.from_code(str(frame.body.get("code", "")),
+                                                          str(frame.body.get("message", ""))))
+                else:
+                    future.set_result(frame)
+        except errors.DashError as e:
+            with self._lock:
+                self._drop(ch, e if isinstance(e, UnavailableError) else UnavailableError(str(e)))
+
+    def _drop(self, ch: Channel | None, err: errors.DashError) -> None:
+        """Forget a broken connection and fail what waited on it (call with the lock held)."""
+        if ch is not None and ch is self._ch:
+            self._ch = None
+            ch.close()
+            pending, self._pending = self._pending, {}
+            for future in pending.values():
+                if not future.done():
+                    future.set_exception(err)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop(self._ch, UnavailableError("closed"))

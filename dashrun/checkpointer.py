@@ -1,0 +1,526 @@
+"""The rank side of dashrun: snapshot without stalling, restore exactly.
+
+``save(step)`` captures the state in two parts. What can change during the
+next forward/backward — module buffers, RNG states, scheduler and data
+cursor — is copied at once into a reused shared-memory buffer; it is small.
+Parameters and optimizer state change only in ``optimizer.step()``, so their
+copy runs on a background thread beside the next forward/backward, and a
+pre-hook on every optimizer's ``step()`` waits for it: the training step is
+blocked only if the copy is slower than a forward/backward. On CUDA the
+buffer is pinned and the copy runs on a side stream that the compute stream
+waits for on the GPU, not on the CPU.
+
+State that every rank holds alike (``model``, ``optimizer``, ``scheduler``
+and other keywords, as with DDP) is *replicated*: its bytes are laid out
+identically on every rank and rank r stages and sends only the r-th slice,
+so it crosses the wire once. State listed in ``per_rank`` (default:
+``data``) and the RNG states are *private*: every rank sends its own. On
+restore the replicated state is rebuilt from all slices, whatever the new
+world size; private state goes to the rank with the same number, and what
+has no owner is reported.
+
+The buffer is handed to the node's dash-agent by file descriptor; the
+agent streams it to dash-memd and hands it back once stored. Two buffers
+alternate, so one save can be staged while the previous one travels. If
+both are still busy when a save is due, that snapshot is skipped (and
+counted), never waited for — unless ``force=True``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import mmap
+import os
+import random
+import sys
+import threading
+import time
+from typing import Any, Iterable
+
+import torch
+
+from dashrun import env, statetree
+from dashrun.agentlink import AgentLink
+from dashrun.errors import DashError, UnavailableError, UsageError
+from dashrun.faults import crash_point
+from dashrun.protocol import CheckpointInfo, Kind, ShardHeader
+
+log = logging.getLogger(__name__)
+
+META_FORMAT = 1
+#: How long restore() keeps trying while dash-agent or dash-memd is unreachable.
+RESTORE_TIMEOUT = 120.0
+#: How long save(force=True) waits for a buffer before giving up on the snapshot.
+FORCED_SAVE_TIMEOUT = 120.0
+
+
+@dataclasses.dataclass
+class SaveStats:
+    snapshots: int = 0   # snapshots started
+    skipped: int = 0     # due, but both buffers were still in flight
+    stored: int = 0      # shards stored in dash-memd
+    failed: int = 0      # shards handed over but not stored
+    stall_s: float = 0.0        # total time save() and the optimizer hook blocked training
+    last_stall_s: float = 0.0   # the same, for the most recent snapshot
+
+
+class SharedBuffer:
+    """A reusable staging buffer in a memfd: this rank writes it, the agent reads it by descriptor."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.fd = os.memfd_create("dashrun-stage", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, capacity)
+        self._map = mmap.mmap(self.fd, capacity)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.busy = False
+        self._pinned = False
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Pinned, so device-to-host copies run asynchronously at full speed.
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), capacity, 0)
+            self._pinned = int(err) == 0
+
+    def close(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        del self.tensor
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+        os.close(self.fd)
+
+
+@dataclasses.dataclass
+class Snapshot:
+    step: int
+    header: ShardHeader
+    buffer: SharedBuffer
+    deferred: list[tuple[Any, int, int, torch.Tensor]]  # (leaf, first byte, end byte, destination)
+    copied: threading.Event = dataclasses.field(default_factory=threading.Event)
+    handed: threading.Event = dataclasses.field(default_factory=threading.Event)  # result is set (or failed)
+    awaited: bool = False  # the optimizer hook has waited for the copy
+    gpu_ready: Any = None  # CUDA event: the optimizer step that produced this state is done
+    gpu_done: Any = None   # CUDA event the compute stream waits on before the next optimizer.step()
+    result: concurrent.futures.Future | None = None
+
+
+def _split(total: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's [start, end) of ``total`` replicated bytes; cut points 64-byte aligned."""
+    def cut(r: int) -> int:
+        return min(total, statetree.align(total * r // world))
+    return cut(rank), cut(rank + 1)
+
+
+def capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state and sys.modules.get("numpy") is not None:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _show_logs_of_rank(rank: int) -> None:
+    """Make dashrun's messages visible in a training script that configured no logging."""
+    package = logging.getLogger("dashrun")
+    if not logging.getLogger().handlers and not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(message)s", "%H:%M:%S"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+
+
+def _map_tensors(tree: Any, fn) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map_tensors(v, fn) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_map_tensors(v, fn) for v in tree)
+    return tree
+
+
+class Checkpointer:
+    """Checkpoint a training job to dash-memd, and bring it back.
+
+    ``objects`` are the keyword arguments with ``state_dict()`` and
+    ``load_state_dict()`` (model, optimizer, scheduler, data cursor, ...).
+    Launched without dashrun (no ``DASH_AGENT_SOCKET``), it does nothing:
+    ``restore()`` returns 0 and ``save()`` returns False.
+    """
+
+    def __init__(self, *, interval: int = 100, per_rank: Iterable[str] = ("data",), job_id: str | None = None,
+                 **objects: Any):
+        if interval < 1:
+            raise UsageError("interval must be at least 1 step")
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise UsageError(f"{name}= has no state_dict()/load_state_dict()",
+                                 hint="pass objects such as a model, an optimizer, a scheduler or a data cursor")
+        self.interval = interval
+        self.objects = objects
+        self.per_rank = frozenset(per_rank) & objects.keys()
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.job_id = job_id or env.get(env.JOB_ID)
+        self.stats = SaveStats()
+        self.preempted = False
+        _show_logs_of_rank(self.rank)
+        self._socket = env.get(env.AGENT_SOCKET)
+        self.enabled = bool(self._socket and self.job_id)
+        if not self.enabled:
+            log.warning("dashrun.Checkpointer: not launched by dashrun (%s is unset): checkpointing is off",
+                        env.AGENT_SOCKET.name if not self._socket else env.JOB_ID.name)
+        self._link = AgentLink(self._socket) if self.enabled else None
+        self._buffers: list[SharedBuffer | None] = [None, None]
+        self._cond = threading.Condition()
+        self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashrun-stage")
+        self._current: Snapshot | None = None    # the newest snapshot handed to the stager
+        self._last_step: int | None = None       # step of the newest snapshot (or restored checkpoint)
+        self._failure: str | None = None         # the failure reported last, to report each kind once
+        self._side_stream = None
+        self._hooks = [obj.register_step_pre_hook(self._before_optimizer_step)
+                       for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
+
+    # --- saving ----------------------------------------------------------------------
+
+    def save(self, step: int, force: bool = False) -> bool:
+        """Snapshot the state after ``step`` if due (or forced); returns True if a snapshot started.
+
+        Returns at once: the bulk copy and the transfer happen in the background.
+        """
+        if not self.enabled:
+            return False
+        if not force and self._last_step is not None and step - self._last_step < self.interval:
+            return False
+        if not force and self._last_step is None and (step + 1) % self.interval:
+            return False
+        started = time.perf_counter()
+        self._await_copy()
+        buffer_index = self._free_buffer(wait=force)
+        if buffer_index is None:
+            self.stats.skipped += 1
+            self._report("a checkpoint is skipped: the previous two are still on their way to dash-memd "
+                         "(raise the interval, or check the network to dash-memd)")
+            return False
+        try:
+            snapshot = self._build(step, buffer_index)
+        except BaseException:
+            with self._cond:
+                self._buffers[buffer_index].busy = False
+            raise
+        self._current = snapshot
+        self._last_step = step
+        self.stats.snapshots += 1
+        self._stager.submit(self._stage_and_hand_over, snapshot)
+        stall = time.perf_counter() - started
+        self.stats.stall_s += stall
+        self.stats.last_stall_s = stall
+        return True
+
+    def _free_buffer(self, wait: bool) -> int | None:
+        def free() -> int | None:
+            return next((i for i, b in enumerate(self._buffers) if b is None or not b.busy), None)
+
+        with self._cond:
+            if wait:
+                self._cond.wait_for(lambda: free() is not None, timeout=FORCED_SAVE_TIMEOUT)
+            return free()
+
+    def _buffer(self, index: int, nbytes: int) -> SharedBuffer:
+        buffer = self._buffers[index]
+        if buffer is None or buffer.capacity < nbytes:
+            if buffer is not None:
+                buffer.close()
+            # Headroom, so a layout that grows a little (counters, longer numbers) reuses the buffer.
+            buffer = SharedBuffer(nbytes + max(nbytes // 64, 1 << 20))
+            self._buffers[index] = buffer
+        buffer.busy = True
+        return buffer
+
+    def _stable_storages(self) -> set[int]:
+        """Storages that only ``optimizer.step()`` changes: parameters and optimizer state."""
+        stable = set()
+        for obj in self.objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                for group in obj.param_groups:
+                    stable.update(p.untyped_storage().data_ptr() for p in group["params"])
+                for per_param in obj.state.values():
+                    stable.update(t.untyped_storage().data_ptr() for t in per_param.values()
+                                  if isinstance(t, torch.Tensor))
+        stable.discard(0)
+        return stable
+
+    def _build(self, step: int, buffer_index: int) -> Snapshot:
+        replicated = {name: obj.state_dict() for name, obj in self.objects.items() if name not in self.per_rank}
+        private = {name: self.objects[name].state_dict() for name in sorted(self.per_rank)}
+        private["$rng"] = capture_rng()
+
+        rep_tree, rep_leaves = statetree.flatten(replicated)
+        rep_offsets, rep_total = statetree.plan(rep_leaves)
+        rep_desc = {"tree": rep_tree, "tensors": statetree.describe(rep_leaves, rep_offsets), "total": rep_total}
+        rep_json = json.dumps(rep_desc, separators=(",", ":"), sort_keys=True).encode()
+        priv_tree, priv_leaves = statetree.flatten(private)
+        priv_offsets, priv_len = statetree.plan(priv_leaves)
+        meta = json.dumps({
+            "format": META_FORMAT, "step": step, "rank": self.rank, "world": self.world,
+            # Every rank holds the same description of the replicated state; rank 0 carries it.
+            "replicated": rep_desc if self.rank == 0 else None,
+            "private": {"tree": priv_tree, "tensors": statetree.describe(priv_leaves, priv_offsets)},
+        }, separators=(",", ":")).encode()
+
+        rep_start, rep_end = _split(rep_total, self.rank, self.world)
+        rep_len = rep_end - rep_start
+        nbytes = rep_len + priv_len + len(meta)
+        with self._cond:
+            buffer = self._buffer(buffer_index, nbytes)
+        stage = buffer.tensor
+
+        stable = self._stable_storages()
+        deferred = []
+        for leaf, offset in zip(rep_leaves, rep_offsets):
+            first, end = max(offset, rep_start), min(offset + statetree.nbytes_of(leaf), rep_end)
+            if first >= end:
+                continue
+            destination = stage[first - rep_start:end - rep_start]
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() in stable:
+                deferred.append((leaf, first - offset, end - offset, destination))
+            else:  # may change before the next optimizer.step(): copy now
+                destination.copy_(statetree.byte_view(leaf)[first - offset:end - offset])
+        for leaf, offset in zip(priv_leaves, priv_offsets):
+            size = statetree.nbytes_of(leaf)
+            stage[rep_len + offset:rep_len + offset + size].copy_(statetree.byte_view(leaf))
+        stage[rep_len + priv_len:nbytes].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+
+        header = ShardHeader(
+            job=self.job_id, step=step, rank=self.rank, world=self.world, rep_total=rep_total,
+            rep_start=rep_start, rep_end=rep_end, private_len=priv_len, meta_len=len(meta),
+            layout=hashlib.sha256(rep_json).hexdigest())
+        snapshot = Snapshot(step, header, buffer, deferred)
+        if any(leaf.is_cuda for leaf, *_ in deferred):
+            # The side stream starts after the optimizer step that produced this state.
+            snapshot.gpu_done = torch.cuda.Event()
+            snapshot.gpu_ready = torch.cuda.Event()
+            snapshot.gpu_ready.record(torch.cuda.current_stream())
+        return snapshot
+
+    def _stage_and_hand_over(self, snapshot: Snapshot) -> None:
+        try:
+            if snapshot.gpu_done is not None:
+                self._stage_cuda(snapshot)
+            else:
+                for index, (leaf, first, end, destination) in enumerate(snapshot.deferred):
+                    if index == len(snapshot.deferred) // 2:
+                        crash_point("rank.staging", rank=self.rank, step=snapshot.step)
+                    destination.copy_(statetree.byte_view(leaf)[first:end])
+        except BaseException as e:
+            snapshot.copied.set()
+            snapshot.handed.set()
+            self._release(snapshot, e)
+            return
+        snapshot.copied.set()
+        if snapshot.gpu_done is not None:
+            snapshot.gpu_done.synchronize()  # bytes in host memory before the agent reads them
+        snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body()},
+                                             fds=[snapshot.buffer.fd])
+        snapshot.handed.set()
+        crash_point("rank.handoff", rank=self.rank, step=snapshot.step)
+        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f.exception()))
+
+    def _stage_cuda(self, snapshot: Snapshot) -> None:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        stream = self._side_stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(snapshot.gpu_ready)
+            for leaf, first, end, destination in snapshot.deferred:
+                destination.copy_(statetree.byte_view(leaf)[first:end], non_blocking=True)
+            snapshot.gpu_done.record(stream)
+
+    def _release(self, snapshot: Snapshot, error: BaseException | None) -> None:
+        with self._cond:
+            snapshot.buffer.busy = False
+            self._cond.notify_all()
+        if error is None:
+            self.stats.stored += 1
+            if self._failure is not None:
+                log.info("dashrun: checkpoints reach dash-memd again (step %d stored)", snapshot.step)
+            self._failure = None
+        else:
+            self.stats.failed += 1
+            self._report(f"checkpoint of step {snapshot.step} not stored: {error}; training continues, "
+                         "the next save tries again")
+
+    def _report(self, message: str) -> None:
+        if message.split(":")[0] != (self._failure or "").split(":")[0]:
+            log.warning("dashrun: %s", message)
+        self._failure = message
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        snapshot = self._current
+        if snapshot is None or snapshot.awaited:
+            return
+        started = time.perf_counter()
+        snapshot.copied.wait()
+        if snapshot.gpu_done is not None:
+            torch.cuda.current_stream().wait_event(snapshot.gpu_done)  # waits on the GPU, not here
+        snapshot.awaited = True
+        stall = time.perf_counter() - started
+        self.stats.stall_s += stall
+        self.stats.last_stall_s += stall
+
+    def _await_copy(self) -> None:
+        if self._current is not None:
+            self._before_optimizer_step(None, (), {})
+
+    def wait(self, timeout: float = 600.0) -> bool:
+        """Block until the newest snapshot is committed in dash-memd; True if it is (or nothing was saved)."""
+        snapshot = self._current
+        if not self.enabled or snapshot is None:
+            return True
+        deadline = time.monotonic() + timeout
+        if not snapshot.handed.wait(timeout) or snapshot.result is None:
+            return False
+        try:
+            snapshot.result.result(timeout=max(0.0, deadline - time.monotonic()))
+            reply = self._link.call(Kind.WAIT, {"job": self.job_id, "step": snapshot.step,
+                                                "timeout": max(0.0, deadline - time.monotonic())},
+                                    timeout=max(1.0, deadline - time.monotonic() + 5))
+            return bool(reply.body.get("committed"))
+        except (DashError, concurrent.futures.TimeoutError) as e:
+            self._report(f"checkpoint of step {snapshot.step} not confirmed: {e}")
+            return False
+
+    # --- restoring -----------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest committed checkpoint of the job; returns the step to run next (0 if none)."""
+        if not self.enabled:
+            return 0
+        frame = self._fetch(step=None)
+        found_step = frame.body["checkpoint"]["step"] if frame.body.get("found") else -1
+        agreed = self._agree(found_step)
+        if agreed != found_step:
+            frame.close_fds()
+            frame = self._fetch(step=agreed) if agreed >= 0 else None
+        if frame is None or not frame.body.get("found"):
+            log.info("dashrun: no checkpoint of job %s yet: starting from step 0", self.job_id)
+            return 0
+        try:
+            info = self._load(frame)
+        finally:
+            frame.close_fds()
+        self._last_step = info.step
+        return info.step + 1
+
+    def _fetch(self, step: int | None):
+        deadline = time.monotonic() + RESTORE_TIMEOUT
+        delay = 0.5
+        while True:
+            try:
+                return self._link.call(Kind.RESTORE, {"job": self.job_id, "step": step}, timeout=RESTORE_TIMEOUT)
+            except UnavailableError as e:
+                if time.monotonic() + delay > deadline:
+                    raise UnavailableError(f"cannot restore job {self.job_id}: {e}",
+                                           hint="is dash-memd up and reachable from this node?") from None
+                self._report(f"restore waits for dash-memd: {e}")
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    @staticmethod
+    def _agree(step: int) -> int:
+        """The oldest of the steps the ranks found, so every rank loads the same checkpoint."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return step
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        value = torch.tensor([step], dtype=torch.int64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return int(value.item())
+
+    def _load(self, frame) -> CheckpointInfo:
+        info = CheckpointInfo.from_body(frame.body["checkpoint"])
+        tails = frame.body.get("tails")
+        if not (isinstance(tails, list) and len(tails) == info.world and all(type(t) is int for t in tails)):
+            raise UnavailableError("dash-agent sent a malformed restore description")
+        size = os.fstat(frame.fds[0]).st_size
+        image = mmap.mmap(frame.fds[0], size, flags=mmap.MAP_PRIVATE)
+        region = torch.frombuffer(image, dtype=torch.uint8)
+
+        def meta_of(rank: int) -> dict:
+            shard = info.shards[rank]
+            start = tails[rank] + shard.private_len
+            return json.loads(bytes(image[start:start + shard.meta_len]))
+
+        rep = meta_of(0)["replicated"]
+        rep_leaves = statetree.materialize(rep["tensors"], region[:info.rep_total], copy=False)
+        replicated = statetree.unflatten(rep["tree"], rep_leaves)
+        private = None
+        if self.rank < info.world:
+            shard = info.shards[self.rank]
+            mine = meta_of(self.rank)["private"]
+            private = statetree.unflatten(mine["tree"], statetree.materialize(
+                mine["tensors"], region[tails[self.rank]:tails[self.rank] + shard.private_len], copy=True))
+        self._report_world_change(info)
+
+        for name, obj in self.objects.items():
+            if name in self.per_rank:
+                if private is not None and name in private:
+                    obj.load_state_dict(private[name])
+            elif name not in replicated:
+                raise UsageError(f"checkpoint of step {info.step} has no state for {name}=",
+                                 hint="pass the same keyword objects to Checkpointer as the run that saved it")
+            elif isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(replicated[name])  # copies into the parameters
+            else:
+                obj.load_state_dict(_map_tensors(replicated[name], torch.Tensor.clone))
+        if private is not None:
+            restore_rng(private.get("$rng", {}))
+        del rep_leaves, replicated, region
+        log.info("dashrun: restored job %s step %d (%d bytes, saved by %d ranks)", self.job_id, info.step,
+                 info.nbytes, info.world)
+        return info
+
+    def _report_world_change(self, info: CheckpointInfo) -> None:
+        if info.world == self.world:
+            return
+        if self.rank >= info.world:
+            log.warning("dashrun: rank %d: checkpoint of step %d was saved by %d ranks; this rank has no saved "
+                        "per-rank state (%s, RNG) and starts those fresh", self.rank, info.step, info.world,
+                        ", ".join(sorted(self.per_rank)) or "none")
+        elif self.rank == 0 and info.world > self.world:
+            log.warning("dashrun: checkpoint of step %d was saved by %d ranks, restored by %d: per-rank state "
+                        "(%s, RNG) of ranks %d..%d is not restored", info.step, info.world, self.world,
+                        ", ".join(sorted(self.per_rank)) or "none", self.world, info.world - 1)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._stager.shutdown(wait=True)
+        if self._link is not None:
+            self._link.close()
+        for buffer in self._buffers:
+            if buffer is not None:
+                buffer.close()
+        self._buffers = [None, None]

@@ -1,0 +1,122 @@
+"""A client of dash-memd: one authenticated TCP connection, requests one at a time.
+
+Used by dash-agent (shards in, restores out) and by the ``dashrun``
+commands. A broken connection is dropped and the next request reconnects;
+retrying is the caller's decision.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any, Sequence
+
+from dashrun.channel import Channel, client_handshake
+from dashrun.errors import ProtocolError, UnavailableError
+from dashrun.protocol import MAX_BYTES, CheckpointInfo, Kind, ShardHeader
+
+
+class MemdClient:
+    def __init__(self, host: str, port: int, token: bytes, *, timeout: float = 60.0, connect_timeout: float = 5.0):
+        self.host, self.port = host, port
+        self._token = token
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._ch: Channel | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> MemdClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._ch is not None:
+            self._ch.close()
+            self._ch = None
+
+    def _channel(self) -> Channel:
+        if self._ch is None:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+            except OSError as e:
+                raise UnavailableError(f"cannot reach dash-memd at {self.address}: {e.strerror or e}",
+                                       hint="is dash-memd running there, and is --memd right?") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            ch = Channel(sock)
+            try:
+                ch.settimeout(self.timeout)
+                client_handshake(ch, self._token)
+            except BaseException:
+                ch.close()
+                raise
+            self._ch = ch
+        return self._ch
+
+    def _request(self, fn):
+        """Run ``fn(channel)`` holding the connection; drop the connection if it breaks mid-request."""
+        with self._lock:
+            ch = self._channel()
+            try:
+                return fn(ch)
+            except (UnavailableError, ProtocolError):
+                self.close()
+                raise
+
+    # --- requests -------------------------------------------------------------------
+
+    def ping(self) -> dict[str, Any]:
+        return self._request(lambda ch: ch.call(Kind.PING).body)
+
+    def put_shard(self, header: ShardHeader, fd: int, offset: int = 0) -> dict[str, Any]:
+        """Send a shard staged in file ``fd`` at ``offset``; returns {committed, crc} once it is stored."""
+        def run(ch: Channel):
+            ch.call(Kind.PUT_SHARD, header.to_body())
+            ch.send_fd_range(Kind.SHARD_DATA, {}, fd, offset, header.nbytes)
+            return ch.expect_reply().body
+        return self._request(run)
+
+    def put_shard_bytes(self, header: ShardHeader, parts: Sequence[memoryview | bytes]) -> dict[str, Any]:
+        def run(ch: Channel):
+            ch.call(Kind.PUT_SHARD, header.to_body())
+            ch.send(Kind.SHARD_DATA, {}, data=parts)
+            return ch.expect_reply().body
+        return self._request(run)
+
+    def latest(self, job: str, step: int | None = None) -> CheckpointInfo | None:
+        body = self._request(lambda ch: ch.call(Kind.LATEST, {"job": job, "step": step}).body)
+        raw = body.get("checkpoint")
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ProtocolError("malformed LATEST reply")
+        return CheckpointInfo.from_body(raw)
+
+    def get_shard_into(self, job: str, step: int, rank: int, views: Sequence[memoryview]) -> int:
+        """Receive one committed shard into ``views`` (in order); returns its verified CRC-32C."""
+        def run(ch: Channel):
+            ch.send(Kind.GET_SHARD, {"job": job, "step": step, "rank": rank})
+            reply = ch.expect_reply(max_data=MAX_BYTES)
+            if reply.data_len != sum(len(v) for v in views):
+                ch.close()
+                raise ProtocolError(f"shard {rank} of {job} step {step} has an unexpected size")
+            return ch.recv_data_into(reply, views)
+        return self._request(run)
+
+    def wait(self, job: str, step: int, timeout: float) -> bool:
+        def run(ch: Channel):
+            ch.settimeout(self.timeout + timeout)
+            try:
+                return bool(ch.call(Kind.WAIT, {"job": job, "step": step, "timeout": timeout}).body.get("committed"))
+            finally:
+                ch.settimeout(self.timeout)
+        return self._request(run)
+
+    def list(self) -> dict[str, Any]:
+        return self._request(lambda ch: ch.call(Kind.LIST).body)

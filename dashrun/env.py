@@ -1,0 +1,43 @@
+"""The environment contract between dashrun's processes, in one table.
+
+``dashrun`` (the launcher) sets these for its ranks and its ``dash-agent``;
+the command-line options of ``dashrun``, ``dash-agent`` and ``dash-memd`` read
+the same names as their environment twins (precedence: default < env < flag).
+torch's own variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ...) keep
+torchrun's meaning and are not repeated here; note that ``RANK`` is NOT stable
+across elastic restarts, so nothing dashrun stores is keyed by a rank's
+identity beyond one checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    name: str
+    meaning: str
+    set_by: str
+    read_by: str
+
+
+MEMD = Var("DASH_MEMD", "HOST:PORT of dash-memd", "user", "dashrun, dash-agent")
+TOKEN_FILE = Var("DASH_TOKEN_FILE", "file holding the cluster's shared token", "user", "dashrun, dash-agent, dash-memd")
+JOB_ID = Var("DASH_JOB_ID", "the job's stable id; a relaunch with the same id resumes", "user, dashrun", "dashrun, ranks")
+AGENT_SOCKET = Var("DASH_AGENT_SOCKET", "path of this node's dash-agent Unix socket", "dashrun", "ranks, dash-agent")
+LISTEN = Var("DASH_LISTEN", "HOST:PORT dash-memd listens on", "user", "dash-memd")
+DATA_DIR = Var("DASH_DATA_DIR", "dash-memd's disk tier directory", "user", "dash-memd")
+MEMORY_LIMIT = Var("DASH_MEMORY_LIMIT", "bytes of checkpoint data dash-memd may hold in RAM", "user", "dash-memd")
+KEEP_RAM = Var("DASH_KEEP_RAM", "committed checkpoints per job kept in RAM", "user", "dash-memd")
+KEEP_DISK = Var("DASH_KEEP_DISK", "committed checkpoints per job kept on disk", "user", "dash-memd")
+CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.faults)", "tests", "all")
+
+ALL: tuple[Var, ...] = (MEMD, TOKEN_FILE, JOB_ID, AGENT_SOCKET, LISTEN, DATA_DIR, MEMORY_LIMIT, KEEP_RAM, KEEP_DISK,
+                        CRASH_AT)
+
+
+def get(var: Var, default: str | None = None) -> str | None:
+    value = os.environ.get(var.name)
+    return value if value not in (None, "") else default

@@ -1,0 +1,131 @@
+"""Every error dashrun raises, and the exit codes they become at the edge.
+
+A leaf module: it imports nothing of dashrun, so any process (rank, agent,
+dash-memd, CLI) can raise and catch these without pulling in the rest.
+Errors a user can fix carry a one-line ``hint``; the CLI renders
+``message`` and ``hint`` once, never a traceback.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of the ``dashrun``, ``dash-agent`` and ``dash-memd`` commands."""
+
+    OK = 0
+    #: Training failed (a rank exited non-zero and restarts were exhausted), or
+    #: a daemon stopped on an error it could not recover from.
+    FAILED = 1
+    #: Bad command line or configuration: nothing was started.
+    USAGE = 2
+    #: Preempted with the state safe in dash-memd: relaunch to resume.
+    #: 75 is sysexits' EX_TEMPFAIL, which schedulers treat as "requeue".
+    PREEMPTED = 75
+
+
+class ErrorCode(str, enum.Enum):
+    """Machine-readable reason carried by an ERROR frame across processes."""
+
+    BAD_REQUEST = "bad_request"
+    UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
+    NO_SPACE = "no_space"
+    CONFLICT = "conflict"
+    BUSY = "busy"
+    CHECKSUM = "checksum"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+class DashError(Exception):
+    """Base of every error dashrun raises on purpose."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+    exit_code: ExitCode = ExitCode.FAILED
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} (hint: {self.hint})"
+
+
+class UsageError(DashError):
+    """The user asked for something that cannot work; nothing was started."""
+
+    code = ErrorCode.BAD_REQUEST
+    exit_code = ExitCode.USAGE
+
+
+class ProtocolError(DashError):
+    """A peer sent bytes that are not a valid frame or message."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class AuthError(DashError):
+    """The peer does not hold the cluster's token (or we do not hold the peer's)."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+
+class UnavailableError(DashError):
+    """A peer (dash-agent, dash-memd) cannot be reached or went away mid-request."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
+class ChecksumError(DashError):
+    """Bytes arrived or were read back with a checksum that does not match."""
+
+    code = ErrorCode.CHECKSUM
+
+
+class NotFoundError(DashError):
+    code = ErrorCode.NOT_FOUND
+
+
+class NoSpaceError(DashError):
+    """dash-memd cannot hold more without dropping state that is not yet safe."""
+
+    code = ErrorCode.NO_SPACE
+
+
+class ConflictError(DashError):
+    code = ErrorCode.CONFLICT
+
+
+class BusyError(DashError):
+    code = ErrorCode.BUSY
+
+
+class RemoteError(DashError):
+    """An error a peer reported in an ERROR frame that has no closer class here."""
+
+
+_BY_CODE: dict[ErrorCode, type[DashError]] = {
+    ErrorCode.BAD_REQUEST: ProtocolError,
+    ErrorCode.UNAUTHORIZED: AuthError,
+    ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.NO_SPACE: NoSpaceError,
+    ErrorCode.CONFLICT: ConflictError,
+    ErrorCode.BUSY: BusyError,
+    ErrorCode.CHECKSUM: ChecksumError,
+    ErrorCode.UNAVAILABLE: UnavailableError,
+}
+
+
+def from_code(code: str, message: str) -> DashError:
+    """Rebuild the exception a peer reported, by its wire code."""
+    try:
+        cls = _BY_CODE.get(ErrorCode(code), RemoteError)
+    except ValueError:
+        cls = RemoteError
+    err = cls(message)
+    if cls is RemoteError:
+        err.code = ErrorCode.INTERNAL
+    return err

@@ -1,0 +1,197 @@
+"""``dashrun [options] [torchrun flags] script.py [args]``: torchrun, plus a node agent.
+
+The command line is torch's own ``torchrun`` parser with dashrun's options
+added to it, so every torchrun flag keeps its meaning, spellings and
+``PET_*`` twin. The ranks run under torch's own elastic launcher
+(``elastic_launch``), after the same pre-processing ``torch.distributed.run``
+applies. Around it, dashrun starts this node's dash-agent in its own process
+(torch's agent replaces signal handlers in its process) and stops it at the
+end, after it has delivered what the ranks handed over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from dashrun import env
+from dashrun.errors import ExitCode, UnavailableError, UsageError
+from dashrun.memd.config import DEFAULT_PORT
+from dashrun.units import parse_address, read_token
+
+log = logging.getLogger(__name__)
+
+#: Seconds the agent gets to start serving its Unix socket.
+AGENT_START_TIMEOUT = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """dashrun's own options; the torchrun ones stay in torch's namespace."""
+
+    memd: tuple[str, int]
+    token_file: Path
+    job_id: str
+
+
+def _env_default(var: env.Var) -> dict:
+    value = env.get(var)
+    return {"default": value, "required": value is None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser, with dashrun's options added (same habits: both spellings, env twins)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "dashrun"
+    parser.description = ("Launch a PyTorch training script like torchrun, with its state checkpointed to "
+                          "dash-memd and resumed after preemption.")
+    group = parser.add_argument_group("dashrun")
+    group.add_argument("--memd", **_env_default(env.MEMD), metavar="HOST:PORT",
+                       help=f"dash-memd to checkpoint to (env {env.MEMD.name}).")
+    group.add_argument("--token-file", "--token_file", **_env_default(env.TOKEN_FILE), metavar="FILE",
+                       help=f"file with the cluster's token (env {env.TOKEN_FILE.name}).")
+    group.add_argument("--job-id", "--job_id", default=env.get(env.JOB_ID), metavar="ID",
+                       help=f"the job's stable id: relaunching with the same id resumes (env {env.JOB_ID.name}; "
+                            "default: derived from the script's path and arguments).")
+    return parser
+
+
+def derive_job_id(script: str, script_args: list[str]) -> str:
+    """A job id stable across relaunches of the same command: ``<script stem>-<hash of path and args>``."""
+    identity = "\0".join([os.path.abspath(script), *script_args])
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(script).stem).lstrip("._-")[:64] or "job"
+    return f"{stem}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    from dashrun.protocol import valid_job_id
+
+    job_id = args.job_id or derive_job_id(args.training_script, args.training_script_args)
+    if not valid_job_id(job_id):
+        raise UsageError(f"--job-id {job_id!r} is not a valid job id",
+                         hint="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit")
+    token_file = Path(args.token_file)
+    read_token(token_file)  # fail now, in one line, not later in the agent
+    return LaunchOptions(memd=parse_address(args.memd, default_port=DEFAULT_PORT, what="--memd"),
+                         token_file=token_file, job_id=job_id)
+
+
+def apply_torchrun_defaults(args: argparse.Namespace) -> None:
+    """The pre-processing ``torch.distributed.run.run()`` applies before ``config_from_args``."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+class AgentProcess:
+    """This node's dash-agent, in its own session so terminal signals reach only the launcher."""
+
+    def __init__(self, options: LaunchOptions):
+        self.options = options
+        self._dir = Path(tempfile.mkdtemp(prefix="dashrun-"))
+        self.socket_path = self._dir / "agent.sock"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> AgentProcess:
+        host, port = self.options.memd
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(self.options.token_file),
+             "--socket", str(self.socket_path), "--parent-pid", str(os.getpid())],
+            start_new_session=True)
+        deadline = time.monotonic() + AGENT_START_TIMEOUT
+        while not self._accepting():
+            if self.proc.poll() is not None:
+                self._cleanup()
+                raise UnavailableError(f"dash-agent exited with code {self.proc.returncode} at start")
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise UnavailableError("dash-agent did not start serving within "
+                                       f"{AGENT_START_TIMEOUT:.0f}s")
+            time.sleep(0.05)
+        return self
+
+    def _accepting(self) -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(self.socket_path))
+                return True
+            except OSError:
+                return False
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the agent delivers what it holds, then exits
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def launch(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = options_from_args(args)
+    apply_torchrun_defaults(args)
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    config, cmd, cmd_args = config_from_args(args)
+    log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
+    with AgentProcess(options) as agent:
+        os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
+        os.environ[env.JOB_ID.name] = options.job_id
+        try:
+            elastic_launch(config, cmd)(*cmd_args)
+        except ChildFailedError as e:
+            _report_child_failure(e)
+            return int(ExitCode.FAILED)
+        except SignalException as e:
+            print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
+            return int(ExitCode.FAILED)
+    return int(ExitCode.OK)
+
+
+def _report_child_failure(err) -> None:
+    """Root cause first, as torchrun does: the first rank that failed and why."""
+    rank, failure = err.get_first_failure()
+    reason = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    reason = (reason or "").strip().splitlines()
+    detail = reason[-1] if reason else "see its output above"
+    print(f"dashrun: error: rank {rank} failed first (exit code {failure.exitcode}): {detail}", file=sys.stderr)
+    others = sorted(r for r in err.failures if r != rank)
+    if others:
+        print(f"dashrun: ranks {', '.join(map(str, others))} failed after it", file=sys.stderr)

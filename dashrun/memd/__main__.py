@@ -1,0 +1,3 @@
+from dashrun.memd.cli import main
+
+main()

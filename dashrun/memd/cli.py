@@ -1,0 +1,102 @@
+"""``dash-memd``: the daemon on the stable VM. Parse, build a config, run, exit."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+import psutil
+
+from dashrun import env
+from dashrun.console import run_click, setup_logging
+from dashrun.errors import ExitCode, UsageError
+from dashrun.memd.config import DEFAULT_PORT, MemdConfig
+from dashrun.units import format_size, parse_address, parse_size, read_token, write_token
+
+PROGRAM = "dash-memd"
+log = logging.getLogger(PROGRAM)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """dash-memd holds checkpoints of dashrun jobs in RAM and persists them to disk."""
+
+
+@cli.command()
+@click.option("--listen", envvar=env.LISTEN.name, default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True,
+              help="HOST:PORT to accept agents and clients on (port 0: any free port).")
+@click.option("--data-dir", envvar=env.DATA_DIR.name, required=True, type=click.Path(file_okay=False),
+              help="Directory of the disk tier.")
+@click.option("--memory-limit", envvar=env.MEMORY_LIMIT.name, default=None,
+              help="Checkpoint bytes held in RAM, e.g. 48GiB.  [default: half of this machine's RAM]")
+@click.option("--token-file", envvar=env.TOKEN_FILE.name, required=True, type=click.Path(dir_okay=False),
+              help="File with the cluster's shared token (create one with 'dash-memd token').")
+@click.option("--keep-ram", envvar=env.KEEP_RAM.name, default=2, show_default=True, type=int,
+              help="Committed checkpoints per job kept in RAM.")
+@click.option("--keep-disk", envvar=env.KEEP_DISK.name, default=3, show_default=True, type=int,
+              help="Committed checkpoints per job kept on disk.")
+@click.option("--max-connections", default=256, show_default=True, type=int)
+@click.option("--auth-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds a new connection has to authenticate.")
+@click.option("--idle-timeout", default=300.0, show_default=True, type=float,
+              help="Seconds an authenticated connection may stay silent.")
+@click.option("--shutdown-timeout", default=60.0, show_default=True, type=float,
+              help="Seconds to finish disk writes on SIGTERM.")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Write HOST:PORT here once listening.")
+@click.option("--log-level", default="INFO", show_default=True)
+def start(listen, data_dir, memory_limit, token_file, keep_ram, keep_disk, max_connections, auth_timeout,
+          idle_timeout, shutdown_timeout, ready_file, log_level) -> None:
+    """Run dash-memd in the foreground until SIGTERM or SIGINT."""
+    setup_logging(PROGRAM, log_level)
+    host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
+    config = MemdConfig(
+        host=host, port=port, data_dir=Path(data_dir),
+        memory_limit=parse_size(memory_limit) if memory_limit else psutil.virtual_memory().total // 2,
+        token=read_token(token_file), keep_ram=keep_ram, keep_disk=keep_disk,
+        max_connections=max_connections, auth_timeout=auth_timeout, idle_timeout=idle_timeout,
+        shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
+    )
+    sys.exit(run(config))
+
+
+@cli.command()
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Where to write the new token.")
+def token(out) -> None:
+    """Create a new random cluster token, readable by its owner only."""
+    write_token(out)
+    click.echo(f"wrote a new token to {out}; copy it to every node and pass --token-file {out}")
+
+
+def run(config: MemdConfig) -> int:
+    from dashrun.memd.server import MemdServer
+
+    try:
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create --data-dir {config.data_dir}: {e.strerror}") from None
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):  # record only; the main thread acts
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = MemdServer(config)
+    server.start()
+    log.info(
+        "data dir %s, memory limit %s, keep %d in RAM / %d on disk per job, max %d connections",
+        config.data_dir, format_size(config.memory_limit), config.keep_ram, config.keep_disk,
+        config.max_connections)
+    stop.wait()
+    log.info("shutting down")
+    server.stop()
+    return int(ExitCode.OK)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_click(cli, PROGRAM, argv)

@@ -1,0 +1,227 @@
+"""dash-memd's network server: authenticated clients, one thread each.
+
+Every connection must prove it holds the cluster's token within
+``auth_timeout`` before any state is touched; until then a body may not
+exceed 4 KiB and no data is accepted. Afterwards a client sends requests one
+at a time; each is validated field by field (:mod:`dashrun.protocol`) and
+answered with OK or ERROR. A request that breaks the framing closes the
+connection; one that is merely refused (no space, not found) does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+from dashrun import errors
+from dashrun.channel import Channel, Frame, server_handshake
+from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.files import write_atomic
+from dashrun.memd.catalogue import Catalogue
+from dashrun.memd.config import MemdConfig
+from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.protocol import Kind, ShardHeader, field_float, field_int, field_job, field_step
+
+log = logging.getLogger(__name__)
+
+#: Longest a WAIT request may block.
+MAX_WAIT = 3600.0
+
+
+class MemdServer:
+    def __init__(self, config: MemdConfig):
+        self.config = config
+        self.catalogue = Catalogue(RamTier(config.memory_limit), DiskTier(config.data_dir),
+                                   keep_ram=config.keep_ram, keep_disk=config.keep_disk)
+        self._listener: socket.socket | None = None
+        self._stopping = threading.Event()
+        self._clients: set[socket.socket] = set()
+        self._clients_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._handlers: dict[Kind, Callable[[Channel, Frame], None]] = {
+            Kind.PUT_SHARD: self._put_shard,
+            Kind.LATEST: self._latest,
+            Kind.GET_SHARD: self._get_shard,
+            Kind.WAIT: self._wait,
+            Kind.LIST: self._list,
+            Kind.PING: self._ping,
+        }
+        self.address: tuple[str, int] | None = None
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self.catalogue.load_disk()
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((self.config.host, self.config.port))
+        except OSError as e:
+            listener.close()
+            raise errors.UsageError(f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}",
+                                    hint="pick another --listen address or stop what holds the port") from None
+        listener.listen(128)
+        self._listener = listener
+        self.address = listener.getsockname()[:2]
+        # Hundreds of mostly idle connection threads: keep their stacks small.
+        threading.stack_size(512 << 10)
+        for target, name in ((self._accept_loop, "accept"), (self._disk_loop, "disk-writer")):
+            thread = threading.Thread(target=target, name=f"memd-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if self.config.ready_file:
+            write_atomic(self.config.ready_file, f"{self.address[0]}:{self.address[1]}\n")
+        log.info("listening on %s:%d", *self.address)
+
+    def stop(self) -> None:
+        """Stop serving, then finish pending disk writes within the shutdown timeout."""
+        self._stopping.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress
+            except OSError:
+                pass
+            self._listener.close()
+        with self._clients_lock:
+            for sock in self._clients:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        left = self.catalogue.pending_disk_writes()
+        if left:
+            log.warning("%d committed checkpoints were not written to disk before shutdown", left)
+
+    def _disk_loop(self) -> None:
+        while not self._stopping.is_set():
+            self.catalogue.persist_next(timeout=0.5)
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while self.catalogue.pending_disk_writes() and time.monotonic() < deadline:
+            self.catalogue.persist_next(timeout=0.1)
+
+    def _accept_loop(self) -> None:
+        active = threading.BoundedSemaphore(self.config.max_connections)
+        while not self._stopping.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                log.exception("accept failed")
+                continue
+            if not active.acquire(blocking=False):
+                self._refuse_busy(sock)
+                continue
+            thread = threading.Thread(target=self._serve, args=(sock, peer, active), daemon=True,
+                                      name=f"memd-conn-{peer[0]}:{peer[1]}")
+            thread.start()
+
+    def _refuse_busy(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(1.0)
+            Channel(sock).send_error(errors.BusyError("dash-memd is serving its maximum number of connections"))
+        except DashError:
+            pass
+        finally:
+            sock.close()
+
+    # --- one connection ---------------------------------------------------------------
+
+    def _serve(self, sock: socket.socket, peer, active: threading.BoundedSemaphore) -> None:
+        with self._clients_lock:
+            self._clients.add(sock)
+        ch = Channel(sock)
+        who = f"{peer[0]}:{peer[1]}"
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.settimeout(self.config.auth_timeout)
+            server_handshake(ch, self.config.token, "dash-memd")
+            sock.settimeout(self.config.idle_timeout)
+            while not self._stopping.is_set():
+                frame = ch.recv()
+                handler = self._handlers.get(frame.kind)
+                if handler is None:
+                    raise ProtocolError(f"unexpected {frame.kind.name} request")
+                try:
+                    handler(ch, frame)
+                except (ProtocolError, UnavailableError):
+                    raise
+                except DashError as e:  # refused, but the stream is still in step
+                    ch.send_error(e)
+        except UnavailableError as e:
+            log.debug("%s: %s", who, e)
+        except errors.AuthError:
+            log.warning("%s: refused: wrong token", who)
+        except ProtocolError as e:
+            log.warning("%s: refused: %s", who, e)
+            self._try_send_error(ch, e)
+        except Exception as e:  # a bug must not take the daemon down with it
+            log.exception("%s: internal error", who)
+            self._try_send_error(ch, e)
+        finally:
+            with self._clients_lock:
+                self._clients.discard(sock)
+            ch.close()
+            active.release()
+
+    @staticmethod
+    def _try_send_error(ch: Channel, err: BaseException) -> None:
+        try:
+            ch.settimeout(1.0)
+            ch.send_error(err)
+        except DashError:
+            pass
+
+    # --- requests ---------------------------------------------------------------------
+
+    def _put_shard(self, ch: Channel, frame: Frame) -> None:
+        header = ShardHeader.from_body(frame.body)
+        ticket = self.catalogue.begin_shard(header)
+        try:
+            ch.send(Kind.OK, {"accept": True})
+            data = ch.recv(max_data=header.nbytes)
+            if data.kind != Kind.SHARD_DATA or data.data_len != header.nbytes:
+                raise ProtocolError("expected the announced shard's data")
+            with memoryview(ticket.buffer) as view:
+                crc = ch.recv_data_into(data, [view[:header.nbytes]])
+        except BaseException:
+            self.catalogue.abort_shard(ticket)
+            raise
+        committed = self.catalogue.finish_shard(ticket, crc)
+        ch.send(Kind.OK, {"committed": committed, "crc": crc})
+
+    def _latest(self, ch: Channel, frame: Frame) -> None:
+        step = field_step(frame.body) if frame.body.get("step") is not None else None
+        info = self.catalogue.latest(field_job(frame.body), step)
+        ch.send(Kind.OK, {"checkpoint": info.to_body() if info else None})
+
+    def _get_shard(self, ch: Channel, frame: Frame) -> None:
+        body = frame.body
+        with self.catalogue.open_shard(field_job(body), field_step(body), field_int(body, "rank", 0, 1 << 16)) \
+                as (view, crc):
+            ch.send(Kind.OK, {"nbytes": len(view), "crc": crc}, data=[view], crc=crc)
+
+    def _wait(self, ch: Channel, frame: Frame) -> None:
+        body = frame.body
+        committed = self.catalogue.wait(field_job(body), field_step(body),
+                                        field_float(body, "timeout", 0.0, MAX_WAIT))
+        ch.send(Kind.OK, {"committed": committed})
+
+    def _list(self, ch: Channel, frame: Frame) -> None:
+        ram = self.catalogue.ram
+        ch.send(Kind.OK, {"jobs": self.catalogue.jobs(),
+                          "memory": {"used": ram.used, "limit": ram.limit},
+                          "pending_disk_writes": self.catalogue.pending_disk_writes()})
+
+    def _ping(self, ch: Channel, frame: Frame) -> None:
+        ch.send(Kind.OK, {"pid": os.getpid()})
+

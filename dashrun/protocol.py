@@ -1,0 +1,320 @@
+"""dashrun's wire format: one versioned binary frame, used on every hop.
+
+A frame is a fixed 24-byte header, a JSON body, and optionally raw data
+followed by a 4-byte CRC-32C trailer of that data::
+
+    offset size field
+    0      4    magic      b"DASH"
+    4      1    version    VERSION
+    5      1    kind       Kind
+    6      2    flags      0 (reserved)
+    8      4    body_len   bytes of UTF-8 JSON object that follow the header
+    12     8    data_len   raw bytes that follow the body
+    20     4    body_crc   CRC-32C of the body
+    -- body (body_len) -- data (data_len) -- data CRC-32C (4, only if data_len > 0)
+
+Integers are big-endian. The trailer lets a sender checksum data as it streams
+it and a receiver verify it as it arrives, so a shard is checked end to end
+without a second pass. Nothing is ever unpickled: bodies are JSON, data is
+bytes. Every length is bounded before anything is allocated for it, and every
+field a peer sends is checked by the ``parse_*`` functions below before use.
+
+This module is pure: it does no I/O (see :mod:`dashrun.channel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import re
+import struct
+from typing import Any
+
+import crc32c as _crc32c
+
+from dashrun.errors import ProtocolError
+
+MAGIC = b"DASH"
+VERSION = 1
+HEADER = struct.Struct("!4sBBHIQI")
+TRAILER = struct.Struct("!I")
+
+#: Largest body accepted before the peer has authenticated.
+MAX_BODY_PREAUTH = 4 << 10
+#: Largest body accepted at all (a snapshot's layout travels in data, not here).
+MAX_BODY = 4 << 20
+#: Largest length any peer may announce for a piece of a checkpoint (1 PiB).
+MAX_BYTES = 1 << 50
+MAX_STEP = (1 << 53) - 1
+MAX_WORLD = 1 << 16
+MAX_FDS = 4
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+_NONCE = re.compile(r"[0-9a-f]{64}")
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC-32C (Castagnoli), hardware accelerated; releases the GIL on large buffers."""
+    return _crc32c.crc32c(data, value)
+
+
+class Kind(enum.IntEnum):
+    # handshake and generic replies
+    HELLO = 1
+    AUTH = 2
+    WELCOME = 3
+    ERROR = 4
+    OK = 5
+    # to dash-memd
+    PUT_SHARD = 16      # announce a shard; dash-memd answers OK (send it) or ERROR
+    SHARD_DATA = 17     # the shard's bytes, answered OK once verified and stored
+    LATEST = 18         # newest committed checkpoint of a job (or a given step)
+    GET_SHARD = 19      # one shard's bytes of a committed checkpoint
+    WAIT = 20           # block until a step of a job is committed (or a timeout)
+    LIST = 21           # jobs and their checkpoints
+    PING = 22
+    # rank <-> dash-agent, over the node's Unix socket
+    SNAPSHOT = 32       # a staged shard in a shared-memory segment (fd attached)
+    RESTORE = 33        # fetch the newest committed checkpoint into shared memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    kind: Kind
+    body_len: int
+    data_len: int
+    body_crc: int
+
+
+def encode_body(body: dict[str, Any] | None) -> bytes:
+    return json.dumps(body or {}, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+
+
+def encode_header(kind: Kind, body: bytes, data_len: int = 0) -> bytes:
+    if len(body) > MAX_BODY:
+        raise ProtocolError(f"body of {len(body)} bytes exceeds {MAX_BODY}")
+    if not 0 <= data_len <= MAX_BYTES:
+        raise ProtocolError(f"data length {data_len} out of range")
+    return HEADER.pack(MAGIC, VERSION, int(kind), 0, len(body), data_len, crc32c(body))
+
+
+def decode_header(raw: bytes, *, max_body: int, max_data: int) -> Header:
+    """Parse and bound a header; raises ProtocolError before anything is allocated."""
+    if len(raw) != HEADER.size:
+        raise ProtocolError("truncated frame header")
+    magic, version, kind, flags, body_len, data_len, body_crc = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError("not a dashrun frame (bad magic)")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} not supported (this side speaks {VERSION})")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    if flags:
+        raise ProtocolError("reserved flags set")
+    if body_len > max_body:
+        raise ProtocolError(f"body of {body_len} bytes exceeds the limit of {max_body}")
+    if data_len > max_data:
+        raise ProtocolError(f"{kind.name} announces {data_len} data bytes, more than the {max_data} allowed")
+    return Header(kind, body_len, data_len, body_crc)
+
+
+def _reject_constant(name: str):
+    raise ProtocolError(f"non-finite number {name} in body")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ProtocolError("non-finite number in body")
+    return value
+
+
+def decode_body(header: Header, raw: bytes) -> dict[str, Any]:
+    if crc32c(raw) != header.body_crc:
+        raise ProtocolError("body checksum mismatch")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"body is not valid JSON: {type(e).__name__}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("body is not a JSON object")
+    return body
+
+
+# --- field validation -------------------------------------------------------
+#
+# Each helper takes the decoded body and a field name, and returns the value
+# only if it has the right type and lies within bounds.
+
+
+def field_int(body: dict, name: str, lo: int = 0, hi: int = MAX_BYTES, default: int | None = None) -> int:
+    value = body.get(name, default)
+    if type(value) is not int or not lo <= value <= hi:  # bool is an int: refused on purpose
+        raise ProtocolError(f"field {name!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def field_float(body: dict, name: str, lo: float, hi: float, default: float | None = None) -> float:
+    value = body.get(name, default)
+    if type(value) not in (int, float) or not lo <= value <= hi:
+        raise ProtocolError(f"field {name!r} must be a number in [{lo}, {hi}]")
+    return float(value)
+
+
+def field_str(body: dict, name: str, max_len: int = 1024, pattern: re.Pattern | None = None,
+              default: str | None = None) -> str:
+    value = body.get(name, default)
+    if not isinstance(value, str) or len(value) > max_len or (pattern and not pattern.fullmatch(value)):
+        raise ProtocolError(f"field {name!r} is missing or malformed")
+    return value
+
+
+def field_bool(body: dict, name: str, default: bool | None = None) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"field {name!r} must be true or false")
+    return value
+
+
+def valid_job_id(job: str) -> bool:
+    return isinstance(job, str) and _JOB_ID.fullmatch(job) is not None
+
+
+def field_job(body: dict, name: str = "job") -> str:
+    value = body.get(name)
+    if not valid_job_id(value):
+        raise ProtocolError(
+            f"field {name!r} is not a valid job id (1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit)")
+    return value
+
+
+def field_nonce(body: dict, name: str) -> str:
+    return field_str(body, name, 64, _NONCE)
+
+
+def field_step(body: dict, name: str = "step") -> int:
+    return field_int(body, name, 0, MAX_STEP)
+
+
+# --- messages that carry structure --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardHeader:
+    """What a rank's shard of one checkpoint holds, as announced in PUT_SHARD.
+
+    A shard's bytes are ``[replicated slice][private][meta]``: the rank's slice
+    ``[rep_start, rep_end)`` of the state every rank holds alike (so replicated
+    state crosses the wire once, split between ranks), the rank's own private
+    tensors (RNG, data cursor), and its layout description (JSON) — opaque to
+    dash-memd, which checks only that the slices of all ranks tile
+    ``[0, rep_total)`` and that every rank announced the same ``layout`` digest.
+    """
+
+    job: str
+    step: int
+    rank: int
+    world: int
+    rep_total: int
+    rep_start: int
+    rep_end: int
+    private_len: int
+    meta_len: int
+    layout: str
+    crc: int = 0  # CRC-32C of the shard's bytes; 0 until they are verified
+
+    @property
+    def nbytes(self) -> int:
+        return self.rep_end - self.rep_start + self.private_len + self.meta_len
+
+    def to_body(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_body(cls, body: dict) -> ShardHeader:
+        world = field_int(body, "world", 1, MAX_WORLD)
+        rep_total = field_int(body, "rep_total")
+        rep_start = field_int(body, "rep_start", 0, rep_total)
+        header = cls(
+            job=field_job(body),
+            step=field_step(body),
+            rank=field_int(body, "rank", 0, world - 1),
+            world=world,
+            rep_total=rep_total,
+            rep_start=rep_start,
+            rep_end=field_int(body, "rep_end", rep_start, rep_total),
+            private_len=field_int(body, "private_len"),
+            meta_len=field_int(body, "meta_len", 0, MAX_BODY * 16),
+            layout=field_str(body, "layout", 64, _HEX_DIGEST),
+            crc=field_int(body, "crc", 0, 0xFFFFFFFF, default=0),
+        )
+        if header.nbytes > MAX_BYTES:
+            raise ProtocolError("shard too large")
+        return header
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as dash-memd describes it (also its manifest on disk)."""
+
+    job: str
+    step: int
+    world: int
+    rep_total: int
+    layout: str
+    committed_at: float
+    shards: tuple[ShardHeader, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "job": self.job, "step": self.step, "world": self.world, "rep_total": self.rep_total,
+            "layout": self.layout, "committed_at": self.committed_at,
+            "shards": [s.to_body() for s in self.shards],
+        }
+
+    @classmethod
+    def from_body(cls, body: dict) -> CheckpointInfo:
+        world = field_int(body, "world", 1, MAX_WORLD)
+        raw_shards = body.get("shards")
+        if not isinstance(raw_shards, list) or len(raw_shards) != world:
+            raise ProtocolError("field 'shards' must list one shard per rank")
+        shards = []
+        for rank, raw in enumerate(raw_shards):
+            if not isinstance(raw, dict):
+                raise ProtocolError("shard entry is not an object")
+            shard = ShardHeader.from_body(raw)
+            if shard.rank != rank or shard.world != world:
+                raise ProtocolError("shard entries out of order")
+            shards.append(shard)
+        info = cls(
+            job=field_job(body), step=field_step(body), world=world,
+            rep_total=field_int(body, "rep_total"), layout=field_str(body, "layout", 64, _HEX_DIGEST),
+            committed_at=field_float(body, "committed_at", 0.0, 1e11), shards=tuple(shards),
+        )
+        problem = tiling_problem(info.shards, info.rep_total, info.layout)
+        if problem or any(s.job != info.job or s.step != info.step for s in shards):
+            raise ProtocolError(problem or "shards of another checkpoint")
+        return info
+
+
+def tiling_problem(shards: tuple[ShardHeader, ...] | list[ShardHeader], rep_total: int, layout: str) -> str | None:
+    """Why the shards (ordered by rank) do not form one whole checkpoint, or None."""
+    position = 0
+    for shard in shards:
+        if shard.layout != layout or shard.rep_total != rep_total:
+            return f"rank {shard.rank} describes its state differently from rank 0"
+        if shard.rep_start != position:
+            return f"rank {shard.rank}'s slice of the replicated state does not follow rank {shard.rank - 1}'s"
+        position = shard.rep_end
+    if position != rep_total:
+        return "the ranks' slices do not cover the replicated state"
+    return None

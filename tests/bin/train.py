@@ -1,0 +1,106 @@
+"""A tiny, deterministic DDP training program for dashrun's end-to-end tests.
+
+Run under ``dashrun`` (or torchrun). Every rank appends ``<step> <loss>`` to
+``OUT/rank<R>.log`` after each step, and at the end writes its full state
+to ``OUT/final-rank<R>.pt`` so a test can compare runs bit for bit. The
+model has what makes checkpointing hard: tied weights, a BatchNorm buffer
+that changes in forward, dropout (RNG), AdamW state, an LR schedule and a
+per-rank data cursor.
+"""
+
+import argparse
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import dashrun
+
+
+class TiedNet(nn.Module):
+    def __init__(self, vocab=64, width=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.1))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+class Cursor:
+    """Where this rank is in its (synthetic) data stream."""
+
+    def __init__(self, rank, vocab=64, batch=16):
+        self.rank, self.vocab, self.batch, self.position = rank, vocab, batch, 0
+
+    def next(self):
+        g = torch.Generator().manual_seed(1000 * self.rank + self.position)
+        self.position += 1
+        tokens = torch.randint(0, self.vocab, (self.batch,), generator=g)
+        return tokens, (tokens * 7 + 3) % self.vocab
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--interval", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep per step")
+    parser.add_argument("--width", type=int, default=32)
+    args = parser.parse_args()
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    random.seed(0)
+    model = TiedNet(width=args.width)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
+    cursor = Cursor(rank)
+    torch.manual_seed(1 + rank)  # per-rank RNG stream for dropout
+
+    ckpt = dashrun.Checkpointer(model=model, optimizer=opt, scheduler=sched, data=cursor, interval=args.interval)
+    start = ckpt.restore()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.log"), "a") as log:
+        log.write(f"start {start}\n")
+        log.flush()
+        for step in range(start, args.steps):
+            tokens, target = cursor.next()
+            loss = nn.functional.cross_entropy(model(tokens), target) + 1e-3 * random.random()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            ckpt.save(step)
+            log.write(f"{step} {loss.item():.10f}\n")
+            log.flush()
+            if args.delay:
+                time.sleep(args.delay)
+    ckpt.wait()
+    module = model.module if world > 1 else model
+    torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "cursor": cursor.state_dict(), "rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                "stats": vars(ckpt.stats)},
+               os.path.join(args.out, f"final-rank{rank}.pt"))
+    ckpt.close()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

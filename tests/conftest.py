@@ -1,0 +1,143 @@
+"""Fixtures with real parts: a dash-memd process on a free loopback port, tokens, helpers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dashrun.client import MemdClient
+from dashrun.units import write_token
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "tests" / "bin" / "train.py"
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.02):
+    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def kill_tree(proc: subprocess.Popen | psutil.Process, sig: int = signal.SIGKILL) -> None:
+    """Signal a process and every descendant (the agent runs in its own session, so not by group)."""
+    try:
+        root = psutil.Process(proc.pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in family:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=30)
+
+
+@pytest.fixture
+def short_tmp():
+    """A short directory (Unix socket paths max out near 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="dt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def token_file(tmp_path) -> Path:
+    path = tmp_path / "token"
+    write_token(path)
+    return path
+
+
+class Memd:
+    """A dash-memd process started by a test; stopped (or killed) by it."""
+
+    def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path):
+        self.data_dir, self.token_file, self.extra, self.log_path = data_dir, token_file, extra, log_path
+        self.proc: subprocess.Popen | None = None
+        self.host, self.port = "127.0.0.1", 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def token(self) -> bytes:
+        return self.token_file.read_bytes().strip()
+
+    def start(self, port: int | None = None) -> Memd:
+        ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
+        listen = f"127.0.0.1:{self.port if port is None else port}"
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
+             "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        wait_for(lambda: ready.exists() or self.proc.poll() is not None, 30, "dash-memd to listen")
+        assert self.proc.poll() is None, f"dash-memd exited: {self.log_path.read_text()[-2000:]}"
+        self.host, port = ready.read_text().strip().rsplit(":", 1)
+        self.port = int(port)
+        ready.unlink()
+        return self
+
+    def client(self, **kwargs) -> MemdClient:
+        return MemdClient(self.host, self.port, self.token, **kwargs)
+
+    def stop(self) -> int | None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._log.close()
+        return self.proc.returncode if self.proc else None
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def memd_factory(tmp_path, token_file):
+    started: list[Memd] = []
+
+    def make(*extra: str, data_dir: Path | None = None) -> Memd:
+        memd = Memd(data_dir or tmp_path / f"memd-data-{len(started)}", token_file, *extra,
+                    log_path=tmp_path / f"memd-{len(started)}.log")
+        started.append(memd)
+        return memd.start()
+
+    yield make
+    for memd in started:
+        memd.stop()
+
+
+@pytest.fixture
+def memd(memd_factory) -> Memd:
+    return memd_factory("--memory-limit", "256MiB")
+
+
+def dashrun_cmd(memd: Memd, *args: str, job: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(memd.token_file),
+            "--job-id", job, "--nproc-per-node", str(nproc), *args]

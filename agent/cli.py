@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import click
 
 from agent.server import AgentConfig, AgentServer
 from dashrun import env
-from dashrun.console import run_click, setup_logging
+from dashrun.console import block_stop_signals, next_stop_signal, run_click, setup_logging
 from dashrun.errors import ExitCode
 from dashrun.memd.config import DEFAULT_PORT
 from dashrun.units import parse_address, read_token
@@ -43,16 +41,10 @@ def cli(memd, token_file, socket_path, parent_pid, memd_timeout, drain_timeout, 
 
 
 def run(config: AgentConfig, parent_pid: int | None = None) -> int:
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):  # record only; the main thread acts
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    block_stop_signals()
     server = AgentServer(config)
     server.start()
-    while not stop.wait(1.0):
+    while next_stop_signal(timeout=1.0) is None:
         if parent_pid is not None and os.getppid() != parent_pid:
             log.warning("launcher (pid %d) is gone; delivering what was handed over, then exiting", parent_pid)
             break

@@ -197,7 +197,7 @@ class Checkpointer:
         self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashrun-stage")
         self._current: Snapshot | None = None    # the newest snapshot handed to the stager
         self._last_step: int | None = None       # step of the newest snapshot (or restored checkpoint)
-        self._failure: str | None = None         # the failure reported last, to report each kind once
+        self._failure: str | None = None         # the kind of failure reported last, to report each once
         self._side_stream = None
         self._hooks = [obj.register_step_pre_hook(self._before_optimizer_step)
                        for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
@@ -220,8 +220,8 @@ class Checkpointer:
         buffer_index = self._free_buffer(wait=force)
         if buffer_index is None:
             self.stats.skipped += 1
-            self._report("a checkpoint is skipped: the previous two are still on their way to dash-memd "
-                         "(raise the interval, or check the network to dash-memd)")
+            self._report("skipped", f"checkpoint of step {step} skipped: the previous two are still on their way "
+                                    "to dash-memd (raise the interval, or check the network to dash-memd)")
             return False
         try:
             snapshot = self._build(step, buffer_index)
@@ -368,13 +368,15 @@ class Checkpointer:
             self._failure = None
         else:
             self.stats.failed += 1
-            self._report(f"checkpoint of step {snapshot.step} not stored: {error}; training continues, "
+            self._report(f"not stored: {getattr(error, 'code', type(error).__name__)}",
+                         f"checkpoint of step {snapshot.step} not stored: {error}; training continues, "
                          "the next save tries again")
 
-    def _report(self, message: str) -> None:
-        if message.split(":")[0] != (self._failure or "").split(":")[0]:
+    def _report(self, kind: str, message: str) -> None:
+        """Warn once per kind of trouble; a success clears it, so a new failure is reported again."""
+        if kind != self._failure:
             log.warning("dashrun: %s", message)
-        self._failure = message
+        self._failure = kind
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         snapshot = self._current
@@ -408,7 +410,7 @@ class Checkpointer:
                                     timeout=max(1.0, deadline - time.monotonic() + 5))
             return bool(reply.body.get("committed"))
         except (DashError, concurrent.futures.TimeoutError) as e:
-            self._report(f"checkpoint of step {snapshot.step} not confirmed: {e}")
+            self._report("unconfirmed", f"checkpoint of step {snapshot.step} not confirmed: {e}")
             return False
 
     # --- restoring -----------------------------------------------------------------
@@ -443,7 +445,7 @@ class Checkpointer:
                 if time.monotonic() + delay > deadline:
                     raise UnavailableError(f"cannot restore job {self.job_id}: {e}",
                                            hint="is dash-memd up and reachable from this node?") from None
-                self._report(f"restore waits for dash-memd: {e}")
+                self._report("restore", f"restore waits for dash-memd: {e}")
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
 

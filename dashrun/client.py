@@ -109,11 +109,13 @@ class MemdClient:
             return ch.recv_data_into(reply, views)
         return self._request(run)
 
-    def wait(self, job: str, step: int, timeout: float) -> bool:
+    def wait(self, job: str, step: int, timeout: float, *, on_disk: bool = False) -> bool:
+        """Block until the step is committed (with ``on_disk``: written to disk too); False on timeout."""
         def run(ch: Channel):
             ch.settimeout(self.timeout + timeout)
             try:
-                return bool(ch.call(Kind.WAIT, {"job": job, "step": step, "timeout": timeout}).body.get("committed"))
+                body = {"job": job, "step": step, "timeout": timeout, "on_disk": on_disk}
+                return bool(ch.call(Kind.WAIT, body).body.get("committed"))
             finally:
                 ch.settimeout(self.timeout)
         return self._request(run)

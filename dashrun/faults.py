@@ -3,8 +3,9 @@
 ``DASH_CRASH_AT`` holds ``name[@key=value,...]`` specs separated by ``;``.
 When code reaches ``crash_point(name, **context)`` and a spec names it, with
 every ``key=value`` matching the context, the process SIGKILLs itself there
-— exactly what a crash at that point does. ``once=PATH`` fires only if PATH
-does not exist yet (and creates it), so a restarted process passes on.
+— exactly what a crash at that point does. ``nth=N`` fires only the N-th
+time the spec matches in this process; ``once=PATH`` fires only if PATH does
+not exist yet (and creates it), so a restarted process passes on.
 Unset, a crash point costs one dictionary lookup.
 
 Points: ``rank.staging`` (half the background copy done), ``rank.handoff``
@@ -27,10 +28,16 @@ for _spec in filter(None, (env.get(env.CRASH_AT) or "").split(";")):
     _SPECS.setdefault(_name, []).append(dict(c.split("=", 1) for c in _conditions.split(",") if "=" in c))
 
 
+_MATCHES: dict[int, int] = {}
+
+
 def crash_point(name: str, **context) -> None:
     for conditions in _SPECS.get(name, ()):
         marker = conditions.get("once")
-        if any(str(context.get(k)) != v for k, v in conditions.items() if k != "once"):
+        if any(str(context.get(k)) != v for k, v in conditions.items() if k not in ("once", "nth")):
+            continue
+        _MATCHES[id(conditions)] = seen = _MATCHES.get(id(conditions), 0) + 1
+        if "nth" in conditions and str(seen) != conditions["nth"]:
             continue
         if marker:
             try:

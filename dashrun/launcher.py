@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds the agent gets to start serving its Unix socket.
 AGENT_START_TIMEOUT = 30.0
+#: How often the launcher checks that its agent is alive, and how often it restarts a dead one.
+AGENT_POLL_INTERVAL = 0.5
+AGENT_MAX_RESTARTS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,15 +114,22 @@ def apply_torchrun_defaults(args: argparse.Namespace) -> None:
 
 
 class AgentProcess:
-    """This node's dash-agent, in its own session so terminal signals reach only the launcher."""
+    """This node's dash-agent, supervised: restarted if it dies, stopped (after draining) at the end.
+
+    It runs in its own session so that terminal signals reach only the
+    launcher; ranks reconnect to a restarted agent at their next save.
+    """
 
     def __init__(self, options: LaunchOptions):
         self.options = options
         self._dir = Path(tempfile.mkdtemp(prefix="dashrun-"))
         self.socket_path = self._dir / "agent.sock"
         self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, name="dashrun-agent-supervisor", daemon=True)
 
-    def __enter__(self) -> AgentProcess:
+    def _start(self) -> None:
         host, port = self.options.memd
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(self.options.token_file),
@@ -127,14 +138,37 @@ class AgentProcess:
         deadline = time.monotonic() + AGENT_START_TIMEOUT
         while not self._accepting():
             if self.proc.poll() is not None:
-                self._cleanup()
                 raise UnavailableError(f"dash-agent exited with code {self.proc.returncode} at start")
             if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise UnavailableError("dash-agent did not start serving within "
-                                       f"{AGENT_START_TIMEOUT:.0f}s")
+                self.proc.kill()
+                raise UnavailableError(f"dash-agent did not start serving within {AGENT_START_TIMEOUT:.0f}s")
             time.sleep(0.05)
+
+    def __enter__(self) -> AgentProcess:
+        try:
+            self._start()
+        except BaseException:
+            self._cleanup()
+            raise
+        self._supervisor.start()
         return self
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(AGENT_POLL_INTERVAL):
+            code = self.proc.poll()
+            if code is None:
+                continue
+            if self.restarts >= AGENT_MAX_RESTARTS:
+                log.error("dash-agent exited with code %s and was restarted %d times already; checkpoints of "
+                          "this node stop here", code, self.restarts)
+                return
+            self.restarts += 1
+            log.warning("dash-agent exited with code %s; restarting it (%d/%d)", code, self.restarts,
+                        AGENT_MAX_RESTARTS)
+            try:
+                self._start()
+            except UnavailableError as e:
+                log.error("cannot restart dash-agent: %s", e)
 
     def _accepting(self) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
@@ -145,6 +179,9 @@ class AgentProcess:
                 return False
 
     def __exit__(self, *exc) -> None:
+        self._stopping.set()
+        if self._supervisor.is_alive():
+            self._supervisor.join()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # the agent delivers what it holds, then exits
             try:

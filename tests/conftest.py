@@ -37,15 +37,19 @@ def kill_tree(proc: subprocess.Popen | psutil.Process, sig: int = signal.SIGKILL
     """Signal a process and every descendant (the agent runs in its own session, so not by group)."""
     try:
         root = psutil.Process(proc.pid)
-        family = [root, *root.children(recursive=True)]
+        descendants = root.children(recursive=True)
     except psutil.NoSuchProcess:
-        return
-    for p in family:
+        descendants = []
+    for p in (proc, *descendants):
         try:
             p.send_signal(sig)
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, ProcessLookupError):
             pass
-    psutil.wait_procs(family, timeout=30)
+    if isinstance(proc, subprocess.Popen):
+        proc.wait(timeout=30)  # reaped by Popen itself, so its returncode is the real one
+    else:
+        psutil.wait_procs([proc], timeout=30)
+    psutil.wait_procs(descendants, timeout=30)
 
 
 @pytest.fixture
@@ -141,3 +145,44 @@ def memd(memd_factory) -> Memd:
 def dashrun_cmd(memd: Memd, *args: str, job: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(memd.token_file),
             "--job-id", job, "--nproc-per-node", str(nproc), *args]
+
+
+class Agent:
+    """A dash-agent process started by a test."""
+
+    def __init__(self, memd: Memd, socket_path: Path, log_path: Path, env: dict | None = None):
+        self.memd, self.socket_path, self.log_path = memd, socket_path, log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "--memd", memd.address, "--token-file", str(memd.token_file),
+             "--socket", str(socket_path), "--memd-timeout", "10", "--drain-timeout", "10"],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        wait_for(lambda: socket_path.exists() or self.proc.poll() is not None, 30, "dash-agent to listen")
+        assert self.proc.poll() is None, log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def agent_factory(short_tmp, tmp_path):
+    started: list[Agent] = []
+
+    def make(memd: Memd, env: dict | None = None) -> Agent:
+        agent = Agent(memd, short_tmp / f"a{len(started)}.sock", tmp_path / f"agent-{len(started)}.log", env)
+        started.append(agent)
+        return agent
+
+    yield make
+    for agent in started:
+        agent.stop()

@@ -356,10 +356,14 @@ class Catalogue:
                 elif entry.readers == 0 and not entry.dropped:
                     self._trim_ram(job)
 
-    def wait(self, job: str, step: int, timeout: float) -> bool:
-        """Block until step ``step`` of ``job`` is committed; False on timeout."""
+    def wait(self, job: str, step: int, timeout: float, *, on_disk: bool = False) -> bool:
+        """Block until step ``step`` of ``job`` is committed (and, with ``on_disk``, on disk); False on timeout."""
+        def reached() -> bool:
+            entry = self._committed.get(job, {}).get(step)
+            return entry is not None and (not on_disk or entry.state != State.COMMITTED)
+
         with self._cond:
-            return self._cond.wait_for(lambda: step in self._committed.get(job, {}), timeout)
+            return self._cond.wait_for(reached, timeout)
 
     def jobs(self) -> list[dict]:
         """A summary of every job, newest first by commit time, for ``dashrun status``."""

@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import click
 import psutil
 
 from dashrun import env
-from dashrun.console import run_click, setup_logging
+from dashrun.console import block_stop_signals, next_stop_signal, run_click, setup_logging
 from dashrun.errors import ExitCode, UsageError
 from dashrun.memd.config import DEFAULT_PORT, MemdConfig
 from dashrun.units import format_size, parse_address, parse_size, read_token, write_token
@@ -79,21 +78,15 @@ def run(config: MemdConfig) -> int:
         config.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"cannot create --data-dir {config.data_dir}: {e.strerror}") from None
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):  # record only; the main thread acts
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    block_stop_signals()
     server = MemdServer(config)
     server.start()
     log.info(
         "data dir %s, memory limit %s, keep %d in RAM / %d on disk per job, max %d connections",
         config.data_dir, format_size(config.memory_limit), config.keep_ram, config.keep_disk,
         config.max_connections)
-    stop.wait()
-    log.info("shutting down")
+    signum = next_stop_signal()
+    log.info("%s: shutting down", signal.Signals(signum).name)
     server.stop()
     return int(ExitCode.OK)
 

@@ -24,7 +24,7 @@ from dashrun.files import write_atomic
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import Kind, ShardHeader, field_float, field_int, field_job, field_step
+from dashrun.protocol import Kind, ShardHeader, field_bool, field_float, field_int, field_job, field_step
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,8 @@ class MemdServer:
     def _wait(self, ch: Channel, frame: Frame) -> None:
         body = frame.body
         committed = self.catalogue.wait(field_job(body), field_step(body),
-                                        field_float(body, "timeout", 0.0, MAX_WAIT))
+                                        field_float(body, "timeout", 0.0, MAX_WAIT),
+                                        on_disk=field_bool(body, "on_disk", default=False))
         ch.send(Kind.OK, {"committed": committed})
 
     def _list(self, ch: Channel, frame: Frame) -> None:

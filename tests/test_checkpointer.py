@@ -1,0 +1,287 @@
+"""The rank side against a real dash-agent and dash-memd: ranks simulated in one process.
+
+Each simulated rank is a Checkpointer built under its own RANK/WORLD_SIZE;
+they share the process, which is all the replicated/private split needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import pytest
+import torch
+
+from dashrun import checkpointer as checkpointer_module
+from dashrun.agentlink import AgentLink
+from dashrun.checkpointer import Checkpointer
+from dashrun.errors import UnavailableError
+from dashrun.protocol import Kind, ShardHeader
+
+from conftest import wait_for
+
+
+class Cursor:
+    def __init__(self, position=0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def trained_objects(seed=0, steps=3):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(steps):
+        model(torch.randn(16, 64)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def fresh_objects():
+    return trained_objects(seed=99, steps=0)
+
+
+def same_state(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    if isinstance(a, torch.optim.Optimizer):
+        return sa["param_groups"] == sb["param_groups"] and all(
+            torch.equal(sa["state"][k][n], sb["state"][k][n]) for k in sa["state"] for n in sa["state"][k])
+    return all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture
+def rank_env(monkeypatch):
+    def make(agent, job, rank, world, **objects) -> Checkpointer:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("DASH_AGENT_SOCKET", str(agent.socket_path) if agent else "/nonexistent/agent.sock")
+        monkeypatch.setenv("DASH_JOB_ID", job)
+        return Checkpointer(interval=5, **objects)
+    return make
+
+
+@pytest.fixture
+def stack(memd, agent_factory):
+    return memd, agent_factory(memd)
+
+
+def save_world(rank_env, agent, job, world, step, model, opt, sched, positions):
+    ranks = [rank_env(agent, job, r, world, model=model, optimizer=opt, scheduler=sched,
+                      data=Cursor(positions[r])) for r in range(world)]
+    for ckpt in ranks:
+        assert ckpt.save(step, force=True)
+    assert all(ckpt.wait(timeout=60) for ckpt in ranks)
+    for ckpt in ranks:
+        ckpt.close()
+
+
+def test_round_trip_restores_every_object(stack, rank_env):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "rt", 1, 7, model, opt, sched, [41])
+    model2, opt2, sched2 = fresh_objects()
+    cursor = Cursor()
+    ckpt = rank_env(agent, "rt", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=cursor)
+    assert ckpt.restore() == 8
+    assert same_state(model, model2) and same_state(opt, opt2)
+    assert sched2.state_dict() == sched.state_dict() and cursor.position == 41
+    opt2.step()  # the restored optimizer state is owned, not a view of the restore image
+    ckpt.close()
+
+
+def test_fresh_job_restores_nothing(stack, rank_env):
+    _, agent = stack
+    model, opt, _ = fresh_objects()
+    ckpt = rank_env(agent, "never-saved", 0, 1, model=model, optimizer=opt)
+    assert ckpt.restore() == 0
+    ckpt.close()
+
+
+def test_replicated_state_crosses_the_wire_once(stack, rank_env):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "split", 4, 4, model, opt, sched, [0, 1, 2, 3])
+    with memd.client() as client:
+        info = client.latest("split")
+    assert info.world == 4
+    replicated = sum(s.rep_end - s.rep_start for s in info.shards)
+    assert replicated == info.rep_total
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert info.rep_total >= param_bytes * 3            # parameters + two AdamW moments
+    assert info.nbytes - sum(s.private_len + s.meta_len for s in info.shards) == info.rep_total  # not 4 copies
+    assert max(s.rep_end - s.rep_start for s in info.shards) <= info.rep_total // 4 + 64
+
+
+@pytest.mark.parametrize("new_world", [2, 3])
+def test_restore_into_fewer_ranks(stack, rank_env, caplog, new_world):
+    _, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, f"shrink{new_world}", 4, 9, model, opt, sched, [10, 11, 12, 13])
+    caplog.set_level(logging.WARNING, logger="dashrun")
+    for rank in range(new_world):
+        model2, opt2, sched2 = fresh_objects()
+        cursor = Cursor()
+        ckpt = rank_env(agent, f"shrink{new_world}", rank, new_world, model=model2, optimizer=opt2,
+                        scheduler=sched2, data=cursor)
+        assert ckpt.restore() == 10
+        assert same_state(model, model2) and same_state(opt, opt2)
+        assert cursor.position == 10 + rank              # private state goes to the same rank number
+        ckpt.close()
+    assert f"of ranks {new_world}..3 is not restored" in caplog.text
+
+
+def test_restore_into_more_ranks_reports_ranks_without_state(stack, rank_env, caplog):
+    _, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "grow", 2, 4, model, opt, sched, [5, 6])
+    caplog.set_level(logging.WARNING, logger="dashrun")
+    model2, opt2, sched2 = fresh_objects()
+    cursor = Cursor(position=-1)
+    ckpt = rank_env(agent, "grow", 3, 4, model=model2, optimizer=opt2, scheduler=sched2, data=cursor)
+    assert ckpt.restore() == 5
+    assert same_state(model, model2) and cursor.position == -1
+    assert "rank 3: checkpoint of step 4 was saved by 2 ranks" in caplog.text
+    ckpt.close()
+
+
+def test_tied_parameters_stay_tied(stack, rank_env):
+    _, agent = stack
+
+    def tied():
+        embed = torch.nn.Embedding(10, 4)
+        head = torch.nn.Linear(4, 10, bias=False)
+        head.weight = embed.weight
+        return torch.nn.ModuleDict({"embed": embed, "head": head})
+
+    torch.manual_seed(1)
+    model = tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = rank_env(agent, "tied", 0, 1, model=model, optimizer=opt)
+    ckpt.save(0, force=True)
+    assert ckpt.wait(60)
+    ckpt.close()
+    torch.manual_seed(2)
+    model2 = tied()
+    ckpt = rank_env(agent, "tied", 0, 1, model=model2, optimizer=torch.optim.SGD(model2.parameters(), lr=0.1))
+    ckpt.restore()
+    assert model2.head.weight is model2.embed.weight
+    assert torch.equal(model2.embed.weight, model.embed.weight)
+    ckpt.close()
+
+
+def test_interval_and_overlapped_copy(stack, rank_env):
+    _, agent = stack
+    model, opt, _ = trained_objects()
+    ckpt = rank_env(agent, "interval", 0, 1, model=model, optimizer=opt)
+    due = [step for step in range(12) if ckpt.save(step)]
+    assert due == [4, 9]
+    assert ckpt.wait(60)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(16, 64)).pow(2).mean().backward()
+    opt.step()  # the pre-step hook waited for the background copy of step 9
+    ckpt.close()
+    model2, opt2, _ = fresh_objects()
+    ckpt = rank_env(agent, "interval", 0, 1, model=model2, optimizer=opt2)
+    assert ckpt.restore() == 10
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in saved.items())
+    ckpt.close()
+
+
+def test_a_dead_agent_never_blocks_training(rank_env, caplog):
+    caplog.set_level(logging.WARNING, logger="dashrun")
+    model, opt, _ = trained_objects()
+    ckpt = rank_env(None, "orphan", 0, 1, model=model, optimizer=opt)
+    for step in range(20):
+        ckpt.save(step, force=step % 5 == 4)
+    assert ckpt.wait(timeout=10) is False
+    assert ckpt.stats.failed == 4 and ckpt.stats.stored == 0
+    assert caplog.text.count("not stored") == 1        # reported once, not once per save
+    ckpt.close()
+
+
+def test_restore_without_an_agent_fails_loudly(rank_env, monkeypatch):
+    monkeypatch.setattr(checkpointer_module, "RESTORE_TIMEOUT", 1.0)
+    model, opt, _ = trained_objects()
+    ckpt = rank_env(None, "orphan", 0, 1, model=model, optimizer=opt)
+    with pytest.raises(UnavailableError, match="cannot restore"):
+        ckpt.restore()                                  # never silently starts from scratch
+    ckpt.close()
+
+
+def test_a_dead_memd_is_reported_once_and_the_next_save_retries(memd, agent_factory, rank_env, caplog):
+    agent = agent_factory(memd)
+    caplog.set_level(logging.INFO, logger="dashrun")
+    model, opt, _ = trained_objects()
+    ckpt = rank_env(agent, "flaky", 0, 1, model=model, optimizer=opt)
+    assert ckpt.save(0, force=True) and ckpt.wait(60)
+    port = memd.port
+    memd.kill()
+    for step in (1, 2, 3):
+        ckpt.save(step, force=True)
+        wait_for(lambda: ckpt.stats.failed + ckpt.stats.stored == step + 1, 30, "the failed save to settle")
+    assert ckpt.stats.failed == 3 and caplog.text.count("not stored") == 1
+    memd.start(port=port)
+    ckpt.save(4, force=True)
+    assert ckpt.wait(60)
+    assert "reach dash-memd again" in caplog.text
+    with memd.client() as client:
+        assert client.latest("flaky").step == 4
+    ckpt.close()
+
+
+def test_a_shard_handed_over_is_delivered_even_if_its_rank_dies(stack, short_tmp):
+    memd, agent = stack
+    payload = os.urandom(3000)
+    fd = os.memfd_create("test-shard")
+    os.write(fd, payload)
+    header = ShardHeader("handoff", 3, 0, 1, 2000, 0, 2000, 900, 100, "ab" * 32)
+    link = AgentLink(str(agent.socket_path))
+    link.request(Kind.SNAPSHOT, {"shard": header.to_body()}, fds=[fd])
+    os.close(fd)
+    link.close()  # the rank is gone before the agent answered
+    with memd.client() as client:
+        info = wait_for(lambda: client.latest("handoff"), 30, "the orphaned shard to commit")
+        buf = bytearray(3000)
+        client.get_shard_into("handoff", 3, 0, [memoryview(buf)])
+    assert info.step == 3 and bytes(buf) == payload
+
+
+def test_restore_image_is_fetched_once_per_node(stack, rank_env):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "once", 2, 4, model, opt, sched, [0, 1])
+    for rank in range(2):
+        model2, opt2, sched2 = fresh_objects()
+        ckpt = rank_env(agent, "once", rank, 2, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+        assert ckpt.restore() == 5
+        ckpt.close()
+    assert agent.log().count("fetched once step 4") == 1
+
+
+def test_restore_image_mapping_is_private(stack, rank_env):
+    """Loading must not write into the shared image other ranks of the node map."""
+    _, agent = stack
+    model, opt, _ = trained_objects()
+    ckpt = rank_env(agent, "private-map", 0, 1, model=model, optimizer=opt)
+    ckpt.save(2, force=True)
+    assert ckpt.wait(60)
+    ckpt.close()
+    reply = AgentLink(str(agent.socket_path)).call(Kind.RESTORE, {"job": "private-map", "step": None}, timeout=30)
+    fd = reply.fds[0]
+    size = os.fstat(fd).st_size
+    before = mmap.mmap(fd, size, prot=mmap.PROT_READ)[:]
+    model2, opt2, _ = fresh_objects()
+    again = rank_env(agent, "private-map", 0, 1, model=model2, optimizer=opt2)
+    again.restore()
+    opt2.step()
+    assert mmap.mmap(fd, size, prot=mmap.PROT_READ)[:] == before
+    os.close(fd)
+    again.close()

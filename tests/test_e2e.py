@@ -1,0 +1,168 @@
+"""End to end, with real processes: dashrun, dash-agent, dash-memd and 2 gloo ranks.
+
+Every interrupted run is compared bit for bit with an uninterrupted run of
+the same program (under plain torchrun, where the Checkpointer is off).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TRAIN, dashrun_cmd, kill_tree, wait_for
+
+pytestmark = pytest.mark.slow
+
+STEPS, INTERVAL = 30, 5
+TRAIN_ARGS = ["--steps", str(STEPS), "--interval", str(INTERVAL)]
+COMPARED = ("model", "optimizer", "scheduler", "cursor", "rng", "py_rng")
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, dict]:
+    """Final state of each rank after an uninterrupted run, without dashrun."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN),
+                  *TRAIN_ARGS, "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {rank: torch.load(out / f"final-rank{rank}.pt", weights_only=False) for rank in (0, 1)}
+
+
+def assert_identical(reference: dict[int, dict], out: Path) -> None:
+    for rank in (0, 1):
+        final = torch.load(out / f"final-rank{rank}.pt", weights_only=False)
+        for key in COMPARED:
+            assert_same(reference[rank][key], final[key], f"rank {rank} {key}")
+
+
+def assert_same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where} keys differ"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} length differs"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def starts(out: Path, rank: int = 0) -> list[int]:
+    return [int(m) for m in re.findall(r"^start (\d+)$", (out / f"rank{rank}.log").read_text(), re.M)]
+
+
+def last_step(out: Path) -> int:
+    try:
+        lines = (out / "rank0.log").read_text().split("\n")
+    except FileNotFoundError:
+        return -1
+    steps = [int(line.split()[0]) for line in lines if line and line[0].isdigit()]
+    return max(steps, default=-1)
+
+
+def test_killed_at_a_random_step_resumes_bit_identical(memd, tmp_path, reference):
+    out = tmp_path / "out"
+    cmd = dashrun_cmd(memd, str(TRAIN), *TRAIN_ARGS, "--out", str(out), "--delay", "0.05", job="random-kill")
+    kill_at = random.Random().randint(INTERVAL + 1, STEPS - 3)
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: last_step(out) >= kill_at or launcher.poll() is not None, 180, f"step {kill_at}")
+    finally:
+        kill_tree(launcher)  # launcher, agent and ranks together, with SIGKILL
+    assert launcher.returncode == -9, "the run finished before it could be killed"
+    with memd.client() as client:
+        committed = client.latest("random-kill")
+    assert committed is not None and committed.step <= last_step(out)
+
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert starts(out) == [0, committed.step + 1], f"killed at {kill_at}"
+    assert_identical(reference, out)
+
+
+def crashed_run(memd, out: Path, job: str, crash_at: str, expect_code: int = 1,
+                *extra: str) -> subprocess.CompletedProcess:
+    cmd = dashrun_cmd(memd, str(TRAIN), *TRAIN_ARGS, "--out", str(out), *extra, job=job)
+    result = run(cmd, env={"DASH_CRASH_AT": crash_at})
+    assert result.returncode == expect_code, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("point", ["rank.staging", "rank.handoff"])
+def test_rank_killed_while_checkpointing(memd, tmp_path, reference, point):
+    out = tmp_path / "out"
+    result = crashed_run(memd, out, point, f"{point}@rank=1,step=9")
+    assert "rank 1 failed first" in result.stderr
+    with memd.client() as client:
+        committed = client.latest(point)
+    # Staging never finished: step 9 cannot commit. After the handoff it may, if rank 0's shard made it too.
+    assert committed.step == 4 if point == "rank.staging" else committed.step in (4, 9)
+
+    result = run(dashrun_cmd(memd, str(TRAIN), *TRAIN_ARGS, "--out", str(out), job=point))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert starts(out) == [0, committed.step + 1]
+    assert_identical(reference, out)
+
+
+def test_agent_killed_mid_stream(memd_factory, tmp_path, reference):
+    memd = memd_factory("--keep-ram", "20", "--keep-disk", "20")
+    out = tmp_path / "out"
+    # The 3rd shard the agent streams is the first of step 9: it dies half-way through it (once: the
+    # agent the launcher restarts passes on).
+    result = crashed_run(memd, out, "agent-crash", f"channel.mid_data@nth=3,once={tmp_path / 'crashed'}", 0,
+                         "--delay", "0.2")
+    assert "restarting it" in result.stderr
+    with memd.client() as client:
+        steps = [c["step"] for c in client.list()["jobs"][0]["checkpoints"]]
+        assert client.latest("agent-crash").step == STEPS - 1
+    assert 4 in steps and 9 not in steps          # the truncated shard never made step 9 visible
+    assert 14 in steps                            # the restarted agent delivered the next one
+    assert_identical(reference, out)               # training itself never noticed
+
+
+@pytest.mark.parametrize("point", ["disk.mid_write", "disk.before_rename"])
+def test_memd_killed_during_a_disk_write(memd_factory, tmp_path, reference, point):
+    memd = memd_factory()
+    port, data_dir = memd.port, memd.data_dir
+    memd.stop()
+    crashing = memd_factory(data_dir=data_dir)
+    crashing.stop()
+    crashing.extra = ()
+    os.environ["DASH_CRASH_AT"] = f"{point}@step=9"
+    try:
+        crashing.start(port=port)
+    finally:
+        del os.environ["DASH_CRASH_AT"]
+    out = tmp_path / "out"
+    cmd = dashrun_cmd(crashing, str(TRAIN), *TRAIN_ARGS, "--out", str(out), "--delay", "0.2", job="memd-crash")
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: crashing.proc.poll() is not None, 120, "dash-memd to crash in its disk write")
+        crashing._log.close()
+        restarted = memd_factory(data_dir=data_dir)
+        restarted.stop()
+        restarted.start(port=port)
+        assert "interrupted write" in restarted.log()
+        with restarted.client() as client:
+            assert client.latest("memd-crash").step == 4   # step 9 was only in the lost RAM
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, stderr[-3000:]
+    with restarted.client() as client:
+        assert client.latest("memd-crash").step == STEPS - 1
+    assert_identical(reference, out)

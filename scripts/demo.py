@@ -1,0 +1,149 @@
+"""dashrun in one minute: train, get killed, come back exactly where it was.
+
+    python scripts/demo.py [--steps 60] [--workdir DIR]
+
+1. starts a private dash-memd on loopback,
+2. trains examples/tiny_gpt.py on 2 CPU ranks, uninterrupted, for reference,
+3. trains it again under another job id and SIGKILLs the launcher, its agent
+   and both ranks two thirds of the way through,
+4. runs the very same command again: it resumes from the newest checkpoint
+   committed in dash-memd,
+5. compares the losses of every step with the uninterrupted run.
+
+Exits 0 when every step's loss is bit-identical, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "tiny_gpt.py"
+console = Console()
+
+
+def read_losses(path: Path) -> dict[int, list[str]]:
+    losses: dict[int, list[str]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            step, loss = line.split()
+            losses.setdefault(int(step), []).append(loss)
+    return losses
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in family:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(family[1:], timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep files here (default: a temp dir)")
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="dashrun-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    token, ready = work / "token", work / "memd.addr"
+    ready.unlink(missing_ok=True)
+    if not token.exists():
+        subprocess.run([sys.executable, "-m", "dashrun.memd", "token", "--out", str(token)], check=True,
+                       stdout=subprocess.DEVNULL)
+
+    console.rule("[bold]1. a private dash-memd on loopback")
+    memd_log = open(work / "memd.log", "wb")
+    memd = subprocess.Popen([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
+                             "--data-dir", str(work / "memd-data"), "--memory-limit", "1GiB",
+                             "--token-file", str(token), "--ready-file", str(ready)],
+                            stdout=memd_log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if memd.poll() is not None or time.monotonic() > deadline:
+                console.print((work / "memd.log").read_text())
+                return 1
+            time.sleep(0.05)
+        address = ready.read_text().strip()
+        console.print(f"dash-memd listening on {address} (log: {work / 'memd.log'})")
+
+        def dashrun(job: str, loss_log: Path, *extra: str) -> list[str]:
+            return [sys.executable, "-m", "dashrun", "--memd", address, "--token-file", str(token),
+                    "--job-id", job, "--nproc-per-node", "2", str(EXAMPLE), "--steps", str(args.steps),
+                    "--interval", str(args.interval), "--loss-log", str(loss_log), *extra]
+
+        reference_log, run_log = work / "reference-losses.txt", work / "run-losses.txt"
+        for path in (reference_log, run_log):
+            path.unlink(missing_ok=True)
+
+        console.rule("[bold]2. an uninterrupted run, for reference")
+        with console.status("training 2 ranks ..."):
+            subprocess.run(dashrun(f"reference-{work.name}", reference_log), check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        console.print(f"{args.steps} steps done")
+
+        console.rule("[bold]3. the same training, killed with SIGKILL two thirds of the way")
+        kill_at = args.steps * 2 // 3 + args.interval // 2  # between two checkpoints: some steps run twice
+        job = f"demo-{work.name}"
+        with console.status(f"training until step {kill_at} ..."):
+            launcher = subprocess.Popen(dashrun(job, run_log, "--delay", "0.05"),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            while max(read_losses(run_log), default=-1) < kill_at and launcher.poll() is None:
+                time.sleep(0.05)
+            kill_tree(launcher)
+        killed_after = max(read_losses(run_log), default=-1)
+        console.print(f"killed the launcher, its dash-agent and both ranks after step {killed_after}")
+
+        console.rule("[bold]4. the same command again")
+        result = subprocess.run(dashrun(job, run_log), capture_output=True, text=True)
+        resumed = next((line for line in result.stdout.splitlines() if line.startswith("resumed at step")), None)
+        if result.returncode != 0 or resumed is None:
+            console.print(result.stderr[-3000:])
+            console.print("[red]the relaunch did not resume")
+            return 1
+        console.print(resumed)
+
+        console.rule("[bold]5. losses, step by step")
+        reference, run = read_losses(reference_log), read_losses(run_log)
+        start = int(resumed.split()[-1])
+        table = Table("step", "uninterrupted", "killed + resumed", "")
+        identical = True
+        for step in range(args.steps):
+            losses = run.get(step, [])
+            same = bool(losses) and all(loss == reference[step][0] for loss in losses)
+            identical &= same
+            if start - 2 <= step <= killed_after + 2 or step in (0, args.steps - 1):
+                note = "resumed here" if step == start else ("killed after" if step == killed_after else "")
+                table.add_row(str(step), reference[step][0], " / ".join(losses), note)
+        console.print(table)
+        if identical:
+            console.print(f"[bold green]all {args.steps} steps identical to the uninterrupted run, bit for bit")
+        else:
+            console.print("[bold red]the resumed run differs from the uninterrupted one")
+        return 0 if identical else 1
+    finally:
+        memd.send_signal(signal.SIGTERM)
+        memd.wait(timeout=60)
+        memd_log.close()
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

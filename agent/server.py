@@ -32,7 +32,7 @@ from dashrun.channel import Channel, Frame
 from dashrun.client import MemdClient
 from dashrun.errors import DashError, ProtocolError, UnavailableError
 from dashrun.protocol import (
-    MAX_STEP, CheckpointInfo, Kind, ShardHeader, field_float, field_int, field_job, field_step,
+    MAX_STEP, MAX_WORLD, CheckpointInfo, Kind, ShardHeader, field_float, field_int, field_job, field_step,
 )
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class RestoreImage:
     fd: int
     tails: list[int]  # offset of each old rank's private bytes + meta in the image
     created: float = dataclasses.field(default_factory=time.monotonic)
+    handed_out: int = 0  # ranks that received a descriptor of it
 
     def describe(self) -> dict[str, Any]:
         return {"checkpoint": self.info.to_body(), "tails": self.tails}
@@ -85,6 +86,7 @@ class RestoreCache:
                           timeout=self.config.memd_timeout)
 
     def get(self, job: str, step: int | None) -> RestoreImage | None:
+        """The image of a committed checkpoint (the newest, or ``step``); None if the job has none."""
         self.expire()
         with self._client() as client:
             info = client.latest(job, step)
@@ -125,6 +127,15 @@ class RestoreCache:
             os.close(fd)
             raise
         return RestoreImage(info, fd, tails)
+
+    def handed_out(self, image: RestoreImage, local_ranks: int) -> None:
+        """Count a rank served; once every local rank has its own descriptor, the agent's goes."""
+        with self._lock:
+            image.handed_out += 1
+            key = (image.info.job, image.info.step)
+            if image.handed_out >= local_ranks and self._images.get(key) is image:
+                del self._images[key]
+                os.close(image.fd)
 
     def expire(self, everything: bool = False) -> None:
         now = time.monotonic()
@@ -229,11 +240,13 @@ class RankConnection:
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:
             step = field_step(body) if body.get("step") is not None else None
+            local_ranks = field_int(body, "local_ranks", 1, MAX_WORLD, default=1)
             image = self.agent.restores.get(field_job(body), step)
             if image is None:
                 self.reply(request_id, {"found": False})
             else:
                 self.reply(request_id, {"found": True, **image.describe()}, fds=[image.fd])
+                self.agent.restores.handed_out(image, local_ranks)
         except DashError as e:
             self.reply_error(request_id, e)
         except Exception as e:

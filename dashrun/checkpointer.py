@@ -182,6 +182,7 @@ class Checkpointer:
         self.per_rank = frozenset(per_rank) & objects.keys()
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.job_id = job_id or env.get(env.JOB_ID)
         self.stats = SaveStats()
         self.preempted = False
@@ -440,7 +441,8 @@ class Checkpointer:
         delay = 0.5
         while True:
             try:
-                return self._link.call(Kind.RESTORE, {"job": self.job_id, "step": step}, timeout=RESTORE_TIMEOUT)
+                return self._link.call(Kind.RESTORE, {"job": self.job_id, "step": step,
+                                                      "local_ranks": self.local_world}, timeout=RESTORE_TIMEOUT)
             except UnavailableError as e:
                 if time.monotonic() + delay > deadline:
                     raise UnavailableError(f"cannot restore job {self.job_id}: {e}",

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 from dashrun import env
-from dashrun.errors import ExitCode, UnavailableError, UsageError
+from dashrun.errors import AuthError, ExitCode, UnavailableError, UsageError
 from dashrun.memd.config import DEFAULT_PORT
 from dashrun.units import parse_address, read_token
 
@@ -40,6 +40,8 @@ AGENT_START_TIMEOUT = 30.0
 #: How often the launcher checks that its agent is alive, and how often it restarts a dead one.
 AGENT_POLL_INTERVAL = 0.5
 AGENT_MAX_RESTARTS = 10
+#: Seconds to wait for an unreachable dash-memd before giving up at launch.
+MEMD_WAIT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +197,31 @@ class AgentProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def check_memd(options: LaunchOptions) -> None:
+    """Fail before starting anything if dash-memd is unreachable or refuses our token.
+
+    An unreachable dash-memd is waited for a little (it may be restarting); a
+    token it refuses is a configuration error.
+    """
+    from dashrun.client import MemdClient
+
+    deadline = time.monotonic() + MEMD_WAIT
+    token = read_token(options.token_file)
+    while True:
+        try:
+            with MemdClient(*options.memd, token, timeout=10) as client:
+                client.ping()
+            return
+        except AuthError:
+            raise UsageError(f"dash-memd at {options.memd[0]}:{options.memd[1]} refused this node's token",
+                             hint="--token-file must hold the same token as dash-memd's") from None
+        except UnavailableError as e:
+            if time.monotonic() > deadline:
+                raise UnavailableError(str(e), hint="start dash-memd first, or check --memd and the network")
+            log.warning("%s; retrying", e)
+            time.sleep(2.0)
+
+
 def launch(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -207,6 +234,7 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.run import config_from_args
 
     config, cmd, cmd_args = config_from_args(args)
+    check_memd(options)
     log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
     with AgentProcess(options) as agent:
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)

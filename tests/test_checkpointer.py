@@ -62,6 +62,7 @@ def rank_env(monkeypatch):
     def make(agent, job, rank, world, **objects) -> Checkpointer:
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
         monkeypatch.setenv("DASH_AGENT_SOCKET", str(agent.socket_path) if agent else "/nonexistent/agent.sock")
         monkeypatch.setenv("DASH_JOB_ID", job)
         return Checkpointer(interval=5, **objects)

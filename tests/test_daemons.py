@@ -74,3 +74,14 @@ def test_dashrun_usage_errors(tmp_path, token_file):
     assert no_token.returncode == 2 and "cannot read token file" in no_token.stderr
     assert "Traceback" not in bad_id.stderr + no_token.stderr
 
+
+
+def test_dashrun_refuses_to_start_with_a_token_memd_does_not_accept(memd, tmp_path):
+    from dashrun.units import write_token
+
+    other = tmp_path / "other-token"
+    write_token(other)
+    result = subprocess.run([sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(other),
+                             "--nproc-per-node", "1", "train.py"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "refused this node's token" in result.stderr and "Traceback" not in result.stderr

@@ -18,6 +18,7 @@ import mmap
 import os
 import secrets
 import socket
+import time
 from typing import Any, Iterable, Sequence
 
 from dashrun import errors
@@ -25,7 +26,7 @@ from dashrun.errors import AuthError, ProtocolError, UnavailableError
 from dashrun.faults import crash_point
 from dashrun.protocol import (
     HEADER, MAX_BODY, MAX_BODY_PREAUTH, MAX_FDS, TRAILER, Kind, crc32c, decode_body,
-    decode_header, encode_body, encode_header, field_nonce, field_str,
+    decode_header, encode_body, encode_header, field_digest, field_nonce,
 )
 
 #: Bytes moved per send/recv call for bulk data: large enough to amortise the
@@ -54,11 +55,25 @@ class Channel:
         self.max_body = max_body
         self._unix = sock.family == socket.AF_UNIX
         self._pending_data = 0  # data bytes (+ trailer) of the last frame not yet consumed
+        self._deadline: float | None = None
 
     # --- plumbing ---------------------------------------------------------
 
     def settimeout(self, seconds: float | None) -> None:
+        """Bound each wait for the peer (silence), as the socket's timeout does."""
+        self._deadline = None
         self.sock.settimeout(seconds)
+
+    def set_deadline(self, seconds: float) -> None:
+        """Bound everything received from now on to ``seconds`` in total, however the peer trickles it."""
+        self._deadline = time.monotonic() + seconds
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise UnavailableError("peer timed out")
+            self.sock.settimeout(left)
 
     def close(self) -> None:
         try:
@@ -69,6 +84,7 @@ class Channel:
     def _recv_exact(self, view: memoryview) -> None:
         got, size = 0, len(view)
         while got < size:
+            self._arm()
             try:
                 n = self.sock.recv_into(view[got:], min(size - got, CHUNK))
             except socket.timeout:
@@ -85,6 +101,7 @@ class Channel:
             self._recv_exact(memoryview(buf))
             return bytes(buf), []
         fds: list[int] = []
+        self._arm()
         try:
             msg, ancdata, _flags, _addr = self.sock.recvmsg(
                 HEADER.size, socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
@@ -273,7 +290,7 @@ def server_handshake(ch: Channel, token: bytes, server_name: str) -> None:
     if frame.kind != Kind.AUTH:
         raise ProtocolError("expected AUTH")
     client_nonce = field_nonce(frame.body, "nonce")
-    mac = field_str(frame.body, "mac", 64)
+    mac = field_digest(frame.body, "mac")
     if not hmac.compare_digest(mac, _mac(token, b"dash-client", server_nonce, client_nonce)):
         err = AuthError("authentication failed: the client does not hold this cluster's token")
         ch.send_error(err)
@@ -292,6 +309,6 @@ def client_handshake(ch: Channel, token: bytes) -> dict[str, Any]:
     ch.send(Kind.AUTH, {"nonce": client_nonce, "mac": _mac(token, b"dash-client", server_nonce, client_nonce)})
     reply = ch.expect_reply()
     if reply.kind != Kind.WELCOME or not hmac.compare_digest(
-            field_str(reply.body, "mac", 64), _mac(token, b"dash-server", client_nonce, server_nonce)):
+            field_digest(reply.body, "mac"), _mac(token, b"dash-server", client_nonce, server_nonce)):
         raise AuthError("the server does not hold this cluster's token", hint="check --token-file on both sides")
     return hello.body

@@ -197,6 +197,11 @@ def field_nonce(body: dict, name: str) -> str:
     return field_str(body, name, 64, _NONCE)
 
 
+def field_digest(body: dict, name: str) -> str:
+    """A SHA-256 digest or HMAC as 64 lowercase hex digits."""
+    return field_str(body, name, 64, _HEX_DIGEST)
+
+
 def field_step(body: dict, name: str = "step") -> int:
     return field_int(body, name, 0, MAX_STEP)
 

@@ -154,8 +154,11 @@ class Catalogue:
         return buffer
 
     def abort_shard(self, ticket: Ticket) -> None:
+        entry = ticket.entry
         with self._cond:
-            ticket.entry.active -= 1
+            entry.active -= 1
+            if not entry.shards and not entry.active and not entry.dropped:
+                self._drop_receiving(entry)  # nothing of it arrived: leave no empty entry behind
         self.ram.release(ticket.buffer)
 
     def finish_shard(self, ticket: Ticket, crc: int) -> bool:

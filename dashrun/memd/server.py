@@ -65,7 +65,7 @@ class MemdServer:
             listener.close()
             raise errors.UsageError(f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}",
                                     hint="pick another --listen address or stop what holds the port") from None
-        listener.listen(128)
+        listener.listen(max(128, self.config.max_connections))
         self._listener = listener
         self.address = listener.getsockname()[:2]
         # Hundreds of mostly idle connection threads: keep their stacks small.
@@ -143,9 +143,9 @@ class MemdServer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.settimeout(self.config.auth_timeout)
+            ch.set_deadline(self.config.auth_timeout)  # for the whole handshake, however slowly it trickles
             server_handshake(ch, self.config.token, "dash-memd")
-            sock.settimeout(self.config.idle_timeout)
+            ch.settimeout(self.config.idle_timeout)
             while not self._stopping.is_set():
                 frame = ch.recv()
                 handler = self._handlers.get(frame.kind)

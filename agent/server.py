@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dashrun import image
 from dashrun.channel import Channel, Frame
 from dashrun.client import MemdClient
 from dashrun.errors import DashError, ProtocolError, UnavailableError
@@ -36,13 +37,6 @@ from dashrun.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-_ALIGN = 64
-
-
-def align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
@@ -56,6 +50,8 @@ class AgentConfig:
     restore_ttl: float = 120.0
     #: seconds to finish handed-over shards on SIGTERM
     drain_timeout: float = 60.0
+    #: this node's name, as dash-memd lists it among the job's nodes
+    node: str = dataclasses.field(default_factory=socket.gethostname)
 
 
 @dataclasses.dataclass
@@ -107,20 +103,13 @@ class RestoreCache:
                 return image
 
     def _fetch(self, client: MemdClient, info: CheckpointInfo) -> RestoreImage:
-        tails, position = [], align(info.rep_total)
-        for shard in info.shards:
-            tails.append(position)
-            position = align(position + shard.private_len + shard.meta_len)
+        tails, size = image.layout(info)
         fd = os.memfd_create(f"dashrun-restore-{info.job}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, max(position, 1))
+            os.ftruncate(fd, max(size, 1))
             started = time.monotonic()
-            with mmap.mmap(fd, max(position, 1)) as mapped, memoryview(mapped) as image:
-                for shard, tail in zip(info.shards, tails):
-                    client.get_shard_into(info.job, info.step, shard.rank, [
-                        image[shard.rep_start:shard.rep_end],
-                        image[tail:tail + shard.private_len + shard.meta_len],
-                    ])
+            with mmap.mmap(fd, max(size, 1)) as mapped, memoryview(mapped) as view:
+                image.fetch(client, info, view, tails)
             log.info("fetched %s step %d (%d bytes) in %.2fs", info.job, info.step, info.nbytes,
                      time.monotonic() - started)
         except BaseException:
@@ -229,13 +218,13 @@ class RankConnection:
         finally:
             client.close()
 
-    @staticmethod
-    def _put_with_retry(client: MemdClient, header: ShardHeader, fd: int) -> dict[str, Any]:
+    def _put_with_retry(self, client: MemdClient, header: ShardHeader, fd: int) -> dict[str, Any]:
+        node = self.agent.config.node
         try:
-            return client.put_shard(header, fd)
+            return client.put_shard(header, fd, node=node)
         except UnavailableError:
             # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
-            return client.put_shard(header, fd)
+            return client.put_shard(header, fd, node=node)
 
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:

@@ -43,7 +43,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dashrun import env, statetree
+from dashrun import env, image, statetree
 from dashrun.agentlink import AgentLink
 from dashrun.errors import DashError, UnavailableError, UsageError
 from dashrun.faults import crash_point
@@ -146,6 +146,22 @@ def _show_logs_of_rank(rank: int) -> None:
         handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(message)s", "%H:%M:%S"))
         package.addHandler(handler)
         package.setLevel(logging.INFO)
+
+
+def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails: list[int], *,
+                      copy: bool) -> dict[str, Any]:
+    """The state every rank held alike, from a restore image; ``copy=False`` gives views into it."""
+    rep = image.meta(mapped, info, tails, 0)["replicated"]
+    return statetree.unflatten(rep["tree"], statetree.materialize(rep["tensors"], region[:info.rep_total],
+                                                                   copy=copy))
+
+
+def decode_private(region: torch.Tensor, mapped, info: CheckpointInfo, tails: list[int], rank: int) -> dict[str, Any]:
+    """Saved rank ``rank``'s own state (per-rank objects and ``$rng``), as owned tensors."""
+    mine = image.meta(mapped, info, tails, rank)["private"]
+    start = tails[rank]
+    return statetree.unflatten(mine["tree"], statetree.materialize(
+        mine["tensors"], region[start:start + info.shards[rank].private_len], copy=True))
 
 
 def _map_tensors(tree: Any, fn) -> Any:
@@ -469,23 +485,10 @@ class Checkpointer:
         if not (isinstance(tails, list) and len(tails) == info.world and all(type(t) is int for t in tails)):
             raise UnavailableError("dash-agent sent a malformed restore description")
         size = os.fstat(frame.fds[0]).st_size
-        image = mmap.mmap(frame.fds[0], size, flags=mmap.MAP_PRIVATE)
-        region = torch.frombuffer(image, dtype=torch.uint8)
-
-        def meta_of(rank: int) -> dict:
-            shard = info.shards[rank]
-            start = tails[rank] + shard.private_len
-            return json.loads(bytes(image[start:start + shard.meta_len]))
-
-        rep = meta_of(0)["replicated"]
-        rep_leaves = statetree.materialize(rep["tensors"], region[:info.rep_total], copy=False)
-        replicated = statetree.unflatten(rep["tree"], rep_leaves)
-        private = None
-        if self.rank < info.world:
-            shard = info.shards[self.rank]
-            mine = meta_of(self.rank)["private"]
-            private = statetree.unflatten(mine["tree"], statetree.materialize(
-                mine["tensors"], region[tails[self.rank]:tails[self.rank] + shard.private_len], copy=True))
+        mapped = mmap.mmap(frame.fds[0], size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
+        region = torch.frombuffer(mapped, dtype=torch.uint8)
+        replicated = decode_replicated(region, mapped, info, tails, copy=False)
+        private = decode_private(region, mapped, info, tails, self.rank) if self.rank < info.world else None
         self._report_world_change(info)
 
         for name, obj in self.objects.items():
@@ -501,7 +504,7 @@ class Checkpointer:
                 obj.load_state_dict(_map_tensors(replicated[name], torch.Tensor.clone))
         if private is not None:
             restore_rng(private.get("$rng", {}))
-        del rep_leaves, replicated, region
+        del replicated, region
         log.info("dashrun: restored job %s step %d (%d bytes, saved by %d ranks)", self.job_id, info.step,
                  info.nbytes, info.world)
         return info

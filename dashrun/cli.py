@@ -1,18 +1,23 @@
-"""The ``dashrun`` command: a torchrun drop-in launcher."""
+"""The ``dashrun`` command: a torchrun drop-in launcher, and the job commands beside it."""
 
 from __future__ import annotations
 
 import sys
 
-from dashrun.console import report, setup_logging
+from dashrun.console import report, run_click, setup_logging
 from dashrun.errors import DashError
 
 PROGRAM = "dashrun"
+COMMANDS = frozenset({"resume", "status", "ls", "export", "gc", "rm"})
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     setup_logging(PROGRAM)
+    if argv and argv[0] in COMMANDS:
+        from dashrun.commands import cli
+
+        run_click(cli, PROGRAM, argv)
     from dashrun.launcher import launch
 
     try:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from dashrun.channel import Channel, client_handshake
 from dashrun.errors import ProtocolError, UnavailableError
-from dashrun.protocol import MAX_BYTES, CheckpointInfo, Kind, ShardHeader
+from dashrun.protocol import MAX_BYTES, CheckpointInfo, JobSpec, Kind, ShardHeader
 
 
 class MemdClient:
@@ -74,10 +74,10 @@ class MemdClient:
     def ping(self) -> dict[str, Any]:
         return self._request(lambda ch: ch.call(Kind.PING).body)
 
-    def put_shard(self, header: ShardHeader, fd: int, offset: int = 0) -> dict[str, Any]:
+    def put_shard(self, header: ShardHeader, fd: int, offset: int = 0, node: str | None = None) -> dict[str, Any]:
         """Send a shard staged in file ``fd`` at ``offset``; returns {committed, crc} once it is stored."""
         def run(ch: Channel):
-            ch.call(Kind.PUT_SHARD, header.to_body())
+            ch.call(Kind.PUT_SHARD, {**header.to_body(), "node": node})
             ch.send_fd_range(Kind.SHARD_DATA, {}, fd, offset, header.nbytes)
             return ch.expect_reply().body
         return self._request(run)
@@ -122,3 +122,16 @@ class MemdClient:
 
     def list(self) -> dict[str, Any]:
         return self._request(lambda ch: ch.call(Kind.LIST).body)
+
+    def put_spec(self, job: str, spec: JobSpec) -> None:
+        self._request(lambda ch: ch.call(Kind.PUT_SPEC, {"job": job, "spec": spec.to_body()}))
+
+    def get_spec(self, job: str) -> JobSpec | None:
+        raw = self._request(lambda ch: ch.call(Kind.GET_SPEC, {"job": job}).body.get("spec"))
+        if raw is not None and not isinstance(raw, dict):
+            raise ProtocolError("malformed GET_SPEC reply")
+        return JobSpec.from_body(raw) if raw is not None else None
+
+    def delete(self, job: str, keep: int = 0) -> list[int]:
+        """Delete a job's checkpoints but the newest ``keep`` (0: everything, launch spec included)."""
+        return self._request(lambda ch: ch.call(Kind.DELETE, {"job": job, "keep": keep}).body.get("deleted", []))

@@ -26,6 +26,7 @@ class Var:
 MEMD = Var("DASH_MEMD", "HOST:PORT of dash-memd", "user", "dashrun, dash-agent")
 TOKEN_FILE = Var("DASH_TOKEN_FILE", "file holding the cluster's shared token", "user", "dashrun, dash-agent, dash-memd")
 JOB_ID = Var("DASH_JOB_ID", "the job's stable id; a relaunch with the same id resumes", "user, dashrun", "dashrun, ranks")
+FRESH = Var("DASH_FRESH", "'1': delete the job's earlier checkpoints and start from step 0", "user", "dashrun")
 AGENT_SOCKET = Var("DASH_AGENT_SOCKET", "path of this node's dash-agent Unix socket", "dashrun", "ranks, dash-agent")
 LISTEN = Var("DASH_LISTEN", "HOST:PORT dash-memd listens on", "user", "dash-memd")
 DATA_DIR = Var("DASH_DATA_DIR", "dash-memd's disk tier directory", "user", "dash-memd")
@@ -34,7 +35,7 @@ KEEP_RAM = Var("DASH_KEEP_RAM", "committed checkpoints per job kept in RAM", "us
 KEEP_DISK = Var("DASH_KEEP_DISK", "committed checkpoints per job kept on disk", "user", "dash-memd")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.faults)", "tests", "all")
 
-ALL: tuple[Var, ...] = (MEMD, TOKEN_FILE, JOB_ID, AGENT_SOCKET, LISTEN, DATA_DIR, MEMORY_LIMIT, KEEP_RAM, KEEP_DISK,
+ALL: tuple[Var, ...] = (MEMD, TOKEN_FILE, JOB_ID, FRESH, AGENT_SOCKET, LISTEN, DATA_DIR, MEMORY_LIMIT, KEEP_RAM, KEEP_DISK,
                         CRASH_AT)
 
 

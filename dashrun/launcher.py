@@ -12,6 +12,7 @@ end, after it has delivered what the ranks handed over.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -30,7 +31,9 @@ from pathlib import Path
 
 from dashrun import env
 from dashrun.errors import AuthError, ExitCode, UnavailableError, UsageError
+from dashrun.embedded import PrivateMemd
 from dashrun.memd.config import DEFAULT_PORT
+from dashrun.protocol import JobSpec
 from dashrun.units import parse_address, read_token
 
 log = logging.getLogger(__name__)
@@ -48,14 +51,10 @@ MEMD_WAIT = 30.0
 class LaunchOptions:
     """dashrun's own options; the torchrun ones stay in torch's namespace."""
 
-    memd: tuple[str, int]
-    token_file: Path
+    memd: tuple[str, int] | None  # None: a private dash-memd on loopback
+    token_file: Path | None
     job_id: str
-
-
-def _env_default(var: env.Var) -> dict:
-    value = env.get(var)
-    return {"default": value, "required": value is None}
+    fresh: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,14 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "dashrun"
     parser.description = ("Launch a PyTorch training script like torchrun, with its state checkpointed to "
                           "dash-memd and resumed after preemption.")
+    parser.epilog = ("commands: dashrun {resume,status,ls,export,gc,rm} --help. "
+                     "Exit codes: 0 done, 1 training failed, 2 usage error, 75 preempted (relaunch to resume).")
     group = parser.add_argument_group("dashrun")
-    group.add_argument("--memd", **_env_default(env.MEMD), metavar="HOST:PORT",
-                       help=f"dash-memd to checkpoint to (env {env.MEMD.name}).")
-    group.add_argument("--token-file", "--token_file", **_env_default(env.TOKEN_FILE), metavar="FILE",
-                       help=f"file with the cluster's token (env {env.TOKEN_FILE.name}).")
+    group.add_argument("--memd", default=env.get(env.MEMD), metavar="HOST:PORT",
+                       help=f"dash-memd to checkpoint to (env {env.MEMD.name}; default: a private one on "
+                            "loopback, with its data under ~/.cache/dashrun).")
+    group.add_argument("--token-file", "--token_file", default=env.get(env.TOKEN_FILE), metavar="FILE",
+                       help=f"file with the cluster's token, needed with --memd (env {env.TOKEN_FILE.name}).")
     group.add_argument("--job-id", "--job_id", default=env.get(env.JOB_ID), metavar="ID",
                        help=f"the job's stable id: relaunching with the same id resumes (env {env.JOB_ID.name}; "
-                            "default: derived from the script's path and arguments).")
+                            "default: derived from the script's absolute path and its arguments).")
+    group.add_argument("--fresh", action="store_true", default=env.get(env.FRESH, "0") == "1",
+                       help=f"delete the job's earlier checkpoints and start from step 0 (env {env.FRESH.name}=1).")
     return parser
 
 
@@ -85,16 +89,25 @@ def derive_job_id(script: str, script_args: list[str]) -> str:
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    from torch.distributed.run import parse_min_max_nnodes
+
     from dashrun.protocol import valid_job_id
 
     job_id = args.job_id or derive_job_id(args.training_script, args.training_script_args)
     if not valid_job_id(job_id):
         raise UsageError(f"--job-id {job_id!r} is not a valid job id",
                          hint="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit")
+    if args.memd is None:
+        if parse_min_max_nnodes(args.nnodes)[1] > 1:
+            raise UsageError("a job on several nodes needs a dash-memd they all reach",
+                             hint="start one with 'dash-memd start' on a stable VM and pass --memd HOST:PORT")
+        return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh)
+    if args.token_file is None:
+        raise UsageError("--memd needs --token-file", hint="the file with the token dash-memd was started with")
     token_file = Path(args.token_file)
     read_token(token_file)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=parse_address(args.memd, default_port=DEFAULT_PORT, what="--memd"),
-                         token_file=token_file, job_id=job_id)
+                         token_file=token_file, job_id=job_id, fresh=args.fresh)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:
@@ -197,8 +210,8 @@ class AgentProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def check_memd(options: LaunchOptions) -> None:
-    """Fail before starting anything if dash-memd is unreachable or refuses our token.
+def prepare_job(options: LaunchOptions, argv: list[str]) -> None:
+    """Before any rank starts: reach dash-memd with our token, apply --fresh, store the launch spec.
 
     An unreachable dash-memd is waited for a little (it may be restarting); a
     token it refuses is a configuration error.
@@ -209,8 +222,13 @@ def check_memd(options: LaunchOptions) -> None:
     token = read_token(options.token_file)
     while True:
         try:
-            with MemdClient(*options.memd, token, timeout=10) as client:
+            with MemdClient(*options.memd, token, timeout=30) as client:
                 client.ping()
+                if options.fresh:
+                    deleted = client.delete(options.job_id)
+                    log.info("--fresh: deleted %d earlier checkpoints of %s", len(deleted), options.job_id)
+                client.put_spec(options.job_id, JobSpec(tuple(argv), os.getcwd(), socket.gethostname(),
+                                                        time.time()))
             return
         except AuthError:
             raise UsageError(f"dash-memd at {options.memd[0]}:{options.memd[1]} refused this node's token",
@@ -222,9 +240,15 @@ def check_memd(options: LaunchOptions) -> None:
             time.sleep(2.0)
 
 
-def launch(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def launch(argv: list[str], overrides: dict | None = None) -> int:
+    """Run the command line ``argv`` (torchrun flags, dashrun options, script, args); returns the exit code.
+
+    ``overrides`` replace parsed options (``dashrun resume`` points a stored
+    command line at this node's dash-memd).
+    """
+    args = build_parser().parse_args(argv)
+    for name, value in (overrides or {}).items():
+        setattr(args, name, value)
     options = options_from_args(args)
     apply_torchrun_defaults(args)
 
@@ -234,9 +258,15 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.run import config_from_args
 
     config, cmd, cmd_args = config_from_args(args)
-    check_memd(options)
-    log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
-    with AgentProcess(options) as agent:
+    with contextlib.ExitStack() as stack:
+        if options.memd is None:
+            private = stack.enter_context(PrivateMemd(attach=False))
+            options = dataclasses.replace(options, memd=private.address, token_file=private.token_file)
+            log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd, private.root)
+        else:
+            log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
+        prepare_job(options, argv)
+        agent = stack.enter_context(AgentProcess(options))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
         os.environ[env.JOB_ID.name] = options.job_id
         try:

@@ -76,6 +76,9 @@ class Kind(enum.IntEnum):
     WAIT = 20           # block until a step of a job is committed (or a timeout)
     LIST = 21           # jobs and their checkpoints
     PING = 22
+    PUT_SPEC = 23       # store how a job was launched, for `dashrun resume`
+    GET_SPEC = 24
+    DELETE = 25         # forget checkpoints of a job (all, or all but the newest N)
     # rank <-> dash-agent, over the node's Unix socket
     SNAPSHOT = 32       # a staged shard in a shared-memory segment (fd attached)
     RESTORE = 33        # fetch the newest committed checkpoint into shared memory
@@ -323,3 +326,33 @@ def tiling_problem(shards: tuple[ShardHeader, ...] | list[ShardHeader], rep_tota
     if position != rep_total:
         return "the ranks' slices do not cover the replicated state"
     return None
+
+
+MAX_ARGS = 1024
+MAX_ARG_LEN = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """How a job was launched: what ``dashrun resume`` runs again on a new node.
+
+    ``argv`` is the dashrun command line without the node-specific options
+    (``--memd``, ``--token-file``), and ``cwd`` the directory it ran in.
+    """
+
+    argv: tuple[str, ...]
+    cwd: str
+    host: str
+    created: float
+
+    def to_body(self) -> dict[str, Any]:
+        return {"argv": list(self.argv), "cwd": self.cwd, "host": self.host, "created": self.created}
+
+    @classmethod
+    def from_body(cls, body: dict) -> JobSpec:
+        argv = body.get("argv")
+        if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
+                or not all(isinstance(a, str) and len(a) <= MAX_ARG_LEN for a in argv)):
+            raise ProtocolError(f"field 'argv' must be a list of at most {MAX_ARGS} strings")
+        return cls(argv=tuple(argv), cwd=field_str(body, "cwd", 4096), host=field_str(body, "host", 255),
+                   created=field_float(body, "created", 0.0, 1e11))

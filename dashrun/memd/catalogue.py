@@ -30,7 +30,7 @@ from typing import Iterator
 
 from dashrun.errors import ConflictError, NoSpaceError, NotFoundError
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import CheckpointInfo, ShardHeader, tiling_problem
+from dashrun.protocol import CheckpointInfo, JobSpec, ShardHeader, tiling_problem
 from dashrun.units import format_size
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,17 @@ class Catalogue:
         self._committed: dict[str, dict[int, Entry]] = {}
         self._to_disk: queue.Queue[Entry] = queue.Queue()
         self._disk_failures: dict[str, str] = {}
+        self._specs: dict[str, JobSpec] = {}
+        self._nodes: dict[str, dict[str, float]] = {}  # job -> node -> when it last sent a shard
 
     # --- start-up ----------------------------------------------------------------
 
     def load_disk(self) -> list[str]:
         """Rebuild the catalogue from the disk tier; returns what was skipped, and why."""
         infos, problems = self.disk.scan_report()
+        specs = self.disk.specs()
         with self._cond:
+            self._specs.update(specs)
             for info in infos:
                 entry = Entry(info.job, info.step, info.world, info.rep_total, info.layout,
                               state=State.ON_DISK, shards={s.rank: s for s in info.shards}, tiers={"disk"}, info=info)
@@ -324,6 +328,51 @@ class Catalogue:
     def pending_disk_writes(self) -> int:
         return self._to_disk.qsize()
 
+    # --- jobs ------------------------------------------------------------------------------
+
+    def put_spec(self, job: str, spec: JobSpec) -> None:
+        self.disk.put_spec(spec, job)
+        with self._cond:
+            self._specs[job] = spec
+
+    def spec(self, job: str) -> JobSpec | None:
+        with self._cond:
+            return self._specs.get(job)
+
+    def node_seen(self, job: str, node: str) -> None:
+        with self._cond:
+            self._nodes.setdefault(job, {})[node] = time.time()
+
+    def delete(self, job: str, keep: int = 0) -> list[int]:
+        """Forget all committed checkpoints of a job but the newest ``keep``; with 0, its spec too.
+
+        A checkpoint being read goes once its readers are done.
+        """
+        with self._cond:
+            steps = self._committed.get(job, {})
+            doomed = sorted(steps)[:max(0, len(steps) - keep)]
+            entries = [steps.pop(step) for step in doomed]
+            for entry in entries:
+                entry.dropped = True
+                if "ram" in entry.tiers and entry.readers == 0:
+                    self._release_ram(entry)
+            if keep == 0:
+                for entry in [e for (j, _), e in self._receiving.items() if j == job]:
+                    self._drop_receiving(entry)
+                self._specs.pop(job, None)
+                self._nodes.pop(job, None)
+                self._disk_failures.pop(job, None)
+                if not steps:
+                    self._committed.pop(job, None)
+        for entry in entries:
+            if "disk" in entry.tiers:
+                self.disk.delete(job, entry.step)
+        if keep == 0:
+            self.disk.delete_spec(job)
+        if entries:
+            log.info("%s: deleted steps %s", job, ", ".join(map(str, doomed)))
+        return doomed
+
     # --- reading -------------------------------------------------------------------------
 
     def latest(self, job: str, step: int | None = None) -> CheckpointInfo | None:
@@ -369,25 +418,25 @@ class Catalogue:
             return self._cond.wait_for(reached, timeout)
 
     def jobs(self) -> list[dict]:
-        """A summary of every job, newest first by commit time, for ``dashrun status``."""
+        """A summary of every job (newest first), for ``dashrun status`` and ``dashrun ls``."""
         with self._cond:
-            out = []
-            for job, steps in self._committed.items():
-                if not steps:
-                    continue
-                newest = steps[max(steps)]
-                out.append({
-                    "job": job,
-                    "step": newest.step,
-                    "state": newest.state.value,
-                    "tiers": sorted(newest.tiers),
-                    "nbytes": newest.info.nbytes,
-                    "world": newest.world,
-                    "committed_at": newest.info.committed_at,
-                    "checkpoints": [{"step": e.step, "state": e.state.value, "tiers": sorted(e.tiers),
-                                     "nbytes": e.info.nbytes, "committed_at": e.info.committed_at}
-                                    for _, e in sorted(steps.items())],
-                    "receiving": sorted(s for (j, s) in self._receiving if j == job),
-                    "disk_error": self._disk_failures.get(job),
-                })
-            return sorted(out, key=lambda j: j["committed_at"], reverse=True)
+            out = [self._summary(job) for job in self._committed.keys() | self._specs.keys()]
+        return sorted(out, key=lambda j: j["updated"], reverse=True)
+
+    def _summary(self, job: str) -> dict:
+        steps = self._committed.get(job, {})
+        spec = self._specs.get(job)
+        checkpoints = [{"step": e.step, "state": e.state.value, "tiers": sorted(e.tiers), "world": e.world,
+                        "nbytes": e.info.nbytes, "committed_at": e.info.committed_at}
+                       for _, e in sorted(steps.items())]
+        newest = checkpoints[-1] if checkpoints else None
+        return {
+            "job": job,
+            "newest": newest,
+            "checkpoints": checkpoints,
+            "receiving": sorted(s for (j, s) in self._receiving if j == job),
+            "disk_error": self._disk_failures.get(job),
+            "nodes": self._nodes.get(job, {}),
+            "spec": spec.to_body() if spec else None,
+            "updated": max(newest["committed_at"] if newest else 0.0, spec.created if spec else 0.0),
+        }

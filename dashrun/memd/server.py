@@ -10,6 +10,7 @@ connection; one that is merely refused (no space, not found) does not.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -24,12 +25,15 @@ from dashrun.files import write_atomic
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import Kind, ShardHeader, field_bool, field_float, field_int, field_job, field_step
+from dashrun.protocol import (
+    JobSpec, Kind, ShardHeader, field_bool, field_float, field_int, field_job, field_step, field_str,
+)
 
 log = logging.getLogger(__name__)
 
 #: Longest a WAIT request may block.
 MAX_WAIT = 3600.0
+LOCK_FILE = "LOCK"
 
 
 class MemdServer:
@@ -49,12 +53,16 @@ class MemdServer:
             Kind.WAIT: self._wait,
             Kind.LIST: self._list,
             Kind.PING: self._ping,
+            Kind.PUT_SPEC: self._put_spec,
+            Kind.GET_SPEC: self._get_spec,
+            Kind.DELETE: self._delete,
         }
         self.address: tuple[str, int] | None = None
 
     # --- lifecycle ----------------------------------------------------------------
 
     def start(self) -> None:
+        self._lock_data_dir()
         self.catalogue.load_disk()
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
@@ -77,6 +85,21 @@ class MemdServer:
         if self.config.ready_file:
             write_atomic(self.config.ready_file, f"{self.address[0]}:{self.address[1]}\n")
         log.info("listening on %s:%d", *self.address)
+
+    def _lock_data_dir(self) -> None:
+        """Refuse to share a data dir: two daemons writing one disk tier would lose checkpoints."""
+        path = self.config.data_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise errors.UsageError(f"data dir {self.config.data_dir} is in use by another dash-memd (pid {holder})",
+                                    hint="stop it, or give this one its own --data-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd  # held (and the lock with it) until the process exits
 
     def stop(self) -> None:
         """Stop serving, then finish pending disk writes within the shutdown timeout."""
@@ -185,6 +208,8 @@ class MemdServer:
 
     def _put_shard(self, ch: Channel, frame: Frame) -> None:
         header = ShardHeader.from_body(frame.body)
+        if frame.body.get("node") is not None:
+            self.catalogue.node_seen(header.job, field_str(frame.body, "node", 255))
         ticket = self.catalogue.begin_shard(header)
         try:
             ch.send(Kind.OK, {"accept": True})
@@ -222,6 +247,21 @@ class MemdServer:
         ch.send(Kind.OK, {"jobs": self.catalogue.jobs(),
                           "memory": {"used": ram.used, "limit": ram.limit},
                           "pending_disk_writes": self.catalogue.pending_disk_writes()})
+
+    def _put_spec(self, ch: Channel, frame: Frame) -> None:
+        spec = frame.body.get("spec")
+        if not isinstance(spec, dict):
+            raise ProtocolError("field 'spec' must be an object")
+        self.catalogue.put_spec(field_job(frame.body), JobSpec.from_body(spec))
+        ch.send(Kind.OK)
+
+    def _get_spec(self, ch: Channel, frame: Frame) -> None:
+        spec = self.catalogue.spec(field_job(frame.body))
+        ch.send(Kind.OK, {"spec": spec.to_body() if spec else None})
+
+    def _delete(self, ch: Channel, frame: Frame) -> None:
+        deleted = self.catalogue.delete(field_job(frame.body), field_int(frame.body, "keep", 0, 1 << 20))
+        ch.send(Kind.OK, {"deleted": deleted})
 
     def _ping(self, ch: Channel, frame: Frame) -> None:
         ch.send(Kind.OK, {"pid": os.getpid()})

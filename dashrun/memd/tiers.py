@@ -26,14 +26,15 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from dashrun.errors import ChecksumError, NoSpaceError, NotFoundError
+from dashrun.errors import ChecksumError, NoSpaceError, NotFoundError, ProtocolError
 from dashrun.faults import crash_point
-from dashrun.files import fsync_dir, write_new
-from dashrun.protocol import CheckpointInfo, crc32c, valid_job_id
+from dashrun.files import fsync_dir, write_atomic, write_new
+from dashrun.protocol import CheckpointInfo, JobSpec, crc32c, valid_job_id
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+SPEC = "SPEC.json"
 MANIFEST_FORMAT = "dashrun-checkpoint"
 MANIFEST_VERSION = 1
 _CHUNK = 8 << 20
@@ -267,6 +268,26 @@ class DiskTier(Tier):
             return
         shutil.rmtree(trash, ignore_errors=True)
 
+    def put_spec(self, spec: JobSpec, job: str) -> None:
+        job_dir = self._job_dir(job)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(job_dir / SPEC, json.dumps(spec.to_body(), indent=1))
+
+    def delete_spec(self, job: str) -> None:
+        (self._job_dir(job) / SPEC).unlink(missing_ok=True)
+
+    def specs(self) -> dict[str, JobSpec]:
+        """Every job's launch spec on disk; unreadable ones are skipped with a warning."""
+        found = {}
+        for path in self.jobs.glob(f"*/{SPEC}"):
+            if not valid_job_id(path.parent.name):
+                continue
+            try:
+                found[path.parent.name] = JobSpec.from_body(json.loads(path.read_text()))
+            except (ValueError, ProtocolError) as e:
+                log.warning("disk tier: ignored %s: %s", path, e)
+        return found
+
     def read_manifest(self, step_dir: Path) -> CheckpointInfo:
         raw = json.loads((step_dir / MANIFEST).read_text())
         if raw.get("format") != MANIFEST_FORMAT or raw.get("version") != MANIFEST_VERSION:
@@ -296,6 +317,8 @@ class DiskTier(Tier):
                 problems.append(f"ignored {job_dir}: not a job directory")
                 continue
             for step_dir in sorted(job_dir.iterdir()):
+                if step_dir.name == SPEC or step_dir.name.startswith(f".{SPEC}."):
+                    continue
                 if step_dir.name.startswith((".tmp-", ".trash-")):
                     problems.append(f"removed {step_dir}: left by an interrupted write")
                     shutil.rmtree(step_dir, ignore_errors=True)

@@ -1,0 +1,194 @@
+"""``dashrun resume|status|ls|export|gc|rm``: the commands beside the launcher.
+
+Each takes ``--memd``/``--token-file`` (env twins ``DASH_MEMD``,
+``DASH_TOKEN_FILE``); without ``--memd`` it uses the private dash-memd of
+this machine (attaching to it while a dashrun runs, else starting it for the
+length of the command). ``--json`` prints machine-readable output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+from dashrun import env
+from dashrun.client import MemdClient
+from dashrun.embedded import PrivateMemd
+from dashrun.errors import NotFoundError, UsageError
+from dashrun.memd.config import DEFAULT_PORT
+from dashrun.protocol import valid_job_id
+from dashrun.units import format_size, parse_address, read_token
+
+console = Console()
+
+
+@contextlib.contextmanager
+def connect(memd: str | None, token_file: str | None) -> Iterator[MemdClient]:
+    if memd is None:
+        with PrivateMemd(attach=True) as private, MemdClient(*private.address, read_token(private.token_file)) as c:
+            yield c
+        return
+    if token_file is None:
+        raise UsageError("--memd needs --token-file", hint="the file with the token dash-memd was started with")
+    host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
+    with MemdClient(host, port, read_token(token_file)) as client:
+        yield client
+
+
+def _job(job: str) -> str:
+    if not valid_job_id(job):
+        raise UsageError(f"{job!r} is not a valid job id")
+    return job
+
+
+def memd_options(command):
+    command = click.option("--token-file", envvar=env.TOKEN_FILE.name, default=None,
+                           help="File with the cluster's token.")(command)
+    return click.option("--memd", envvar=env.MEMD.name, default=None,
+                        help="HOST:PORT of dash-memd (default: this machine's private one).")(command)
+
+
+def _age(timestamp: float) -> str:
+    seconds = max(0.0, time.time() - timestamp)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Inspect and manage dashrun jobs (launch one with: dashrun [torchrun flags] script.py)."""
+
+
+@cli.command()
+@memd_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(memd, token_file, as_json) -> None:
+    """Jobs held by dash-memd: newest committed step, where it is, how big, how old."""
+    with connect(memd, token_file) as client:
+        listing = client.list()
+    if as_json:
+        click.echo(json.dumps(listing, indent=1, sort_keys=True))
+        return
+    memory = listing.get("memory", {})
+    console.print(f"dash-memd at {client.address}: {format_size(memory.get('used', 0))} of "
+                  f"{format_size(memory.get('limit', 0))} RAM in use, "
+                  f"{listing.get('pending_disk_writes', 0)} disk writes pending")
+    table = Table("job", "step", "in", "size", "saved", "ranks", "nodes", "last notice")
+    for job in listing.get("jobs", []):
+        newest = job.get("newest")
+        notice = job.get("notice")
+        table.add_row(
+            job["job"],
+            str(newest["step"]) if newest else "-",
+            ", ".join(newest["tiers"]) if newest else "-",
+            format_size(newest["nbytes"]) if newest else "-",
+            _age(newest["committed_at"]) if newest else "-",
+            str(newest["world"]) if newest else "-",
+            ", ".join(sorted(job.get("nodes", {}))) or "-",
+            f"{notice['kind']} {_age(notice['at'])}" if notice else "-",
+        )
+    console.print(table)
+
+
+@cli.command(name="ls")
+@click.argument("job")
+@memd_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def ls(job, memd, token_file, as_json) -> None:
+    """The committed checkpoints of JOB."""
+    with connect(memd, token_file) as client:
+        listing = client.list()
+    entry = next((j for j in listing.get("jobs", []) if j["job"] == _job(job)), None)
+    if entry is None:
+        raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
+    if as_json:
+        click.echo(json.dumps(entry, indent=1, sort_keys=True))
+        return
+    table = Table("step", "state", "in", "ranks", "size", "committed")
+    for checkpoint in entry["checkpoints"]:
+        table.add_row(str(checkpoint["step"]), checkpoint["state"], ", ".join(checkpoint["tiers"]),
+                      str(checkpoint["world"]), format_size(checkpoint["nbytes"]), _age(checkpoint["committed_at"]))
+    console.print(table)
+
+
+@cli.command()
+@click.argument("job")
+@click.argument("out", type=click.Path())
+@click.option("--step", type=int, default=None, help="Which committed step (default: the newest).")
+@click.option("--format", "fmt", type=click.Choice(["torch", "dcp"]), default="torch", show_default=True,
+              help="torch: one file for torch.load; dcp: a directory for torch.distributed.checkpoint.load.")
+@memd_options
+def export(job, out, step, fmt, memd, token_file) -> None:
+    """Write a committed checkpoint of JOB to OUT in a standard format."""
+    from dashrun import export as exporter
+
+    with connect(memd, token_file) as client, Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            console=console, transient=True) as progress:
+        task = progress.add_task(f"fetching {job}", total=None)
+        info, state = exporter.fetch_state(client, _job(job), step,
+                                           lambda done, total: progress.update(task, completed=done, total=total))
+    exporter.write(state, fmt, Path(out))
+    console.print(f"exported {job} step {info.step} ({format_size(info.nbytes)}, {info.world} ranks) to {out}")
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N checkpoints.")
+@memd_options
+def gc(job, keep, memd, token_file) -> None:
+    """Delete all but the newest KEEP checkpoints of JOB."""
+    with connect(memd, token_file) as client:
+        deleted = client.delete(_job(job), keep)
+    console.print(f"deleted {len(deleted)} checkpoints of {job}" + (f" (steps {', '.join(map(str, deleted))})"
+                                                                    if deleted else ""))
+
+
+@cli.command()
+@click.argument("job")
+@memd_options
+def rm(job, memd, token_file) -> None:
+    """Delete JOB: every checkpoint and its launch spec."""
+    with connect(memd, token_file) as client:
+        deleted = client.delete(_job(job), 0)
+    console.print(f"removed {job} ({len(deleted)} checkpoints)")
+
+
+@cli.command()
+@click.option("--job-id", envvar=env.JOB_ID.name, required=True, help="The job to resume.")
+@memd_options
+def resume(job_id, memd, token_file) -> None:
+    """Relaunch JOB on this node as it was launched, from its newest committed checkpoint.
+
+    What a replacement Spot VM runs at boot: dash-memd keeps each job's command
+    line and working directory.
+    """
+    from dashrun.launcher import launch
+
+    with connect(memd, token_file) as client:
+        spec = client.get_spec(_job(job_id))
+    if spec is None:
+        raise NotFoundError(f"dash-memd has no launch spec of job {job_id!r}",
+                            hint="a job is resumable once dashrun has launched it against this dash-memd")
+    try:
+        os.chdir(spec.cwd)
+    except OSError as e:
+        raise UsageError(f"cannot enter the job's working directory {spec.cwd}: {e.strerror}",
+                         hint="the new node needs the same files (image, volume) as the one that launched it") from None
+    console.print(f"resuming {job_id} in {spec.cwd}: dashrun {' '.join(spec.argv)}")
+    overrides = {"job_id": job_id, "fresh": False}
+    if memd is not None:
+        overrides.update(memd=memd, token_file=token_file)
+    raise SystemExit(launch(list(spec.argv), overrides))
+

@@ -1,0 +1,103 @@
+"""``dashrun export``: a committed checkpoint as files that plain torch reads.
+
+Both formats hold one dictionary: every replicated object's state under its
+keyword (``model``, ``optimizer``, ...), each saved rank's own state under
+``per_rank["<rank>"]`` (``data``, ``$rng``, ...), and ``dashrun`` = {job,
+step, world}. ``torch`` writes one file for ``torch.load`` (``weights_only``
+safe: numpy arrays become tensors, numpy scalars Python numbers); ``dcp``
+writes a directory for ``torch.distributed.checkpoint.load``. Either appears
+whole or not at all (temp name, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dashrun import image
+from dashrun.checkpointer import decode_private, decode_replicated
+from dashrun.client import MemdClient
+from dashrun.errors import NotFoundError, UsageError
+from dashrun.files import fsync_dir
+from dashrun.protocol import CheckpointInfo
+
+FORMATS = ("torch", "dcp")
+
+
+def fetch_state(client: MemdClient, job: str, step: int | None,
+                progress: Callable[[int, int], None] | None = None) -> tuple[CheckpointInfo, dict[str, Any]]:
+    """The checkpoint's whole state as one dictionary of owned tensors."""
+    info = client.latest(job, step)
+    if info is None:
+        raise NotFoundError(f"job {job} has no committed checkpoint" + (f" of step {step}" if step is not None else ""),
+                            hint="see what there is with: dashrun ls " + job)
+    tails, size = image.layout(info)
+    with mmap.mmap(-1, max(size, 1)) as mapped:
+        done = 0
+
+        def advance(nbytes: int) -> None:
+            nonlocal done
+            done += nbytes
+            if progress:
+                progress(done, info.nbytes)
+
+        with memoryview(mapped) as view:
+            image.fetch(client, info, view, tails, advance)
+        region = torch.frombuffer(mapped, dtype=torch.uint8)
+        state = decode_replicated(region, mapped, info, tails, copy=True)
+        state["per_rank"] = {str(r): decode_private(region, mapped, info, tails, r) for r in range(info.world)}
+        del region
+    state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}
+    return info, state
+
+
+def _plain(tree: Any) -> Any:
+    """numpy values as torch / Python ones, so ``torch.load(weights_only=True)`` reads the file."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(tree, numpy.ndarray):
+        return torch.from_numpy(tree)
+    if numpy is not None and isinstance(tree, numpy.generic):
+        return tree.item()
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_plain(v) for v in tree)
+    return tree
+
+
+def write(state: dict[str, Any], fmt: str, out: Path) -> None:
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown export format {fmt!r}", hint="use --format torch or --format dcp")
+    out = Path(out)
+    if out.exists():
+        raise UsageError(f"{out} exists", hint="choose a new path; export never overwrites")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        if fmt == "torch":
+            with open(tmp, "wb") as f:
+                torch.save(_plain(state), f)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(_plain(state), checkpoint_id=str(tmp), no_dist=True)
+            for path in tmp.iterdir():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            fsync_dir(tmp)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,49 @@
+"""A committed checkpoint laid out in one buffer, as ranks (and exports) read it.
+
+Layout: the replicated state first (``rep_total`` bytes, every rank's slice
+in place), then each saved rank's tail — its private tensors and its layout
+description — at a 64-byte aligned offset. The agent fetches into a memfd
+that every local rank maps; ``dashrun export`` fetches into memory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from dashrun.client import MemdClient
+from dashrun.protocol import CheckpointInfo
+
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def layout(info: CheckpointInfo) -> tuple[list[int], int]:
+    """(offset of each saved rank's tail, total size) of the image of ``info``."""
+    tails, position = [], _align(info.rep_total)
+    for shard in info.shards:
+        tails.append(position)
+        position = _align(position + shard.private_len + shard.meta_len)
+    return tails, position
+
+
+def fetch(client: MemdClient, info: CheckpointInfo, image: memoryview, tails: list[int],
+          progress: Callable[[int], None] | None = None) -> None:
+    """Receive every shard of ``info`` into its place in ``image``; each shard's CRC-32C is verified."""
+    for shard, tail in zip(info.shards, tails):
+        client.get_shard_into(info.job, info.step, shard.rank, [
+            image[shard.rep_start:shard.rep_end],
+            image[tail:tail + shard.private_len + shard.meta_len],
+        ])
+        if progress:
+            progress(shard.nbytes)
+
+
+def meta(image, info: CheckpointInfo, tails: list[int], rank: int) -> dict[str, Any]:
+    """The layout description saved rank ``rank`` wrote (rank 0's also describes the replicated state)."""
+    shard = info.shards[rank]
+    start = tails[rank] + shard.private_len
+    return json.loads(bytes(image[start:start + shard.meta_len]))

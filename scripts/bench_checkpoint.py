@@ -1,0 +1,1103 @@
+#!/usr/bin/env python3
+"""Checkpointing benchmark: dashrun against torch.save and DCP async_save, side by side, in one run.
+
+One model (an MLP whose fp32 parameters + AdamW state hold ``--size-mib``), one
+training process, one run. Four variants:
+
+* **none** — training without checkpoints (the baseline);
+* **torch.save** — ``torch.save`` of model + optimizer state into a file, ``fsync``,
+  rename, every ``--interval`` steps (synchronous);
+* **DCP async_save** — ``torch.distributed.checkpoint.async_save`` (its default
+  thread-based checkpointer and default stager, ``FileSystemWriter`` with fsync)
+  on a 1-rank gloo group; the previous save's future is awaited before the next;
+* **dashrun** — a real ``dash-memd`` and a real ``dash-agent`` as processes, and
+  ``dashrun.Checkpointer`` in this process (``DASH_AGENT_SOCKET``/``DASH_JOB_ID``).
+
+And, in the same run, the physical limits of the machine for the same number of
+bytes: memory copy, loopback TCP (receiver in another process, on the other
+core), disk write + fsync in the same directory.
+
+Placement: the training process is pinned to the first core, dash-memd,
+dash-agent and the TCP receiver to the second; ``torch.set_num_threads(1)``.
+
+Method. Every variant is warmed up first (``--warmup`` checkpoints: buffers
+allocated and touched). The measured phase is interleaved, so that the drift of
+a shared or virtualised machine hits every variant alike: it is made of blocks
+of ``--interval`` steps; a checkpointing block saves after its first step (a
+step with ``(step + 1) % interval == 0``, as everywhere) and the rest of the
+block is the training that its background work overlaps. Every checkpointing
+block runs between two baseline blocks, in an order that rotates per round.
+Work still running at the end of a block (DCP's writer, dash-memd's disk
+write) is awaited untimed, and reported, so it never lands in another block.
+
+Figures per variant:
+
+* stall per checkpoint — the time the training loop was blocked by it (dashrun:
+  ``ckpt.stats`` — ``save()`` plus the optimizer-hook wait for the background
+  copy; torch.save: the whole save + fsync; async_save: ``async_save()`` itself
+  plus any wait for the previous future);
+* added training time per checkpoint — (time of the blocks with a checkpoint −
+  time of as many baseline steps) / checkpoints, the baseline steps being the
+  blocks right before and after each checkpointing block; with its standard
+  error, and split into CPU time of the training process, the training thread's
+  wait for a CPU (schedstat), and what other processes ran on the training core;
+* dashrun: time from ``save()`` until the checkpoint is committed in dash-memd's
+  RAM and until it is on disk (``MemdClient.wait`` from helper threads), and
+  the CPU time dash-agent, dash-memd and the rank's staging thread spent.
+
+Usage::
+
+    python3 scripts/bench_checkpoint.py [--size-mib 256] [--steps 80] [--interval 10] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+CHUNK = 8 << 20
+#: Steps are numbered from here, so a step number keeps its number of digits during a run.
+FIRST_STEP = 1000
+TARGET_STALL_MS_PER_GIB = 10.0
+TARGET_ADDED_PCT_OF_TORCH_SAVE = 10.0
+TARGET_RAM_COMMIT_OVER_LIMIT = 1.5
+
+
+# --- placement ------------------------------------------------------------------------
+
+
+def pin_process(cores: set[int]) -> None:
+    """Pin every thread of this process (those to come inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cores)
+    os.sched_setaffinity(0, cores)
+
+
+def placement() -> tuple[int, int, bool]:
+    """(core of the training process, core of dash-memd/dash-agent/receivers, separate?)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        return cores[0], cores[1], True
+    return cores[0], cores[0], False
+
+
+_PINNED_EXEC = textwrap.dedent("""
+    import ctypes, os, signal, sys
+    try:  # stopped with this benchmark even if it is killed outright (PR_SET_PDEATHSIG survives exec)
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit(1)  # the benchmark is already gone
+    os.sched_setaffinity(0, {int(sys.argv[2])})
+    os.execvp(sys.argv[3], sys.argv[3:])
+""")
+
+
+def pinned(cmd: list[str], core: int) -> list[str]:
+    """``cmd`` pinned to ``core`` (like ``taskset -c``), and terminated if this benchmark dies."""
+    return [sys.executable, "-c", _PINNED_EXEC, str(os.getpid()), str(core), *cmd]
+
+
+def machine() -> dict:
+    fields: dict[str, str] = {}
+    flags = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "flags":
+                flags = value
+            elif key not in fields:  # the first processor describes them all
+                fields[key] = value.strip()
+    ram = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                ram = int(line.split()[1]) * 1024
+    return {"cpu": fields.get("model name", "unknown CPU"), "cpu_family": fields.get("cpu family"),
+            "cpu_model": fields.get("model"), "cores": os.cpu_count(), "ram_bytes": ram, "accelerator": "CPU only",
+            "virtualised": " hypervisor" in flags, "kernel": platform.release(), "python": platform.python_version()}
+
+
+def describe_machine(m: dict) -> str:
+    fam = f" (family {m['cpu_family']}, model {m['cpu_model']})" if m["cpu_family"] else ""
+    return (f"{m['cpu']}{fam}, {m['cores']} cores, {m['ram_bytes'] / GiB:.1f} GiB RAM, "
+            f"{m['accelerator']}{', VM' if m['virtualised'] else ''}")
+
+
+# --- subprocesses -----------------------------------------------------------------------
+
+
+class Processes:
+    """Every process this benchmark starts, stopped at the end whatever happens."""
+
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, cmd: list[str], log: Path | None = None, **kwargs) -> subprocess.Popen:
+        with open(log, "ab") if log else contextlib.nullcontext(subprocess.DEVNULL) as out:
+            proc = subprocess.Popen(cmd, stdout=kwargs.pop("stdout", out), stderr=subprocess.STDOUT if log else None,
+                                    **kwargs)
+        self.procs.append((name, proc))
+        return proc
+
+    def stop(self, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop_all(self) -> None:
+        for _name, proc in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                self.stop(proc)
+        self.procs.clear()
+
+
+def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what}: process exited with code {proc.returncode}\n{tail}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# --- physical limits ----------------------------------------------------------------------
+
+
+def timings(nbytes: int, times: list[float]) -> dict:
+    """Repeated timings of moving ``nbytes``. The limit is the best of them (what the machine can do); the
+    median, shown beside it, says how steady the machine was."""
+    return {"bytes": nbytes, "times_s": times, "time_s": min(times), "bandwidth": nbytes / min(times),
+            "median_bandwidth": nbytes / statistics.median(times)}
+
+
+def measure_memcpy(nbytes: int, rounds: int = 5) -> dict:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.fill_(2)  # both touched before timing
+    times = []
+    for _ in range(rounds + 1):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    del src, dst
+    return timings(nbytes, times[1:])  # the first round warms up
+
+
+_RECEIVER = textwrap.dedent("""
+    import socket, sys
+    n, rounds = int(sys.argv[1]), int(sys.argv[2])
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(n)
+    view = memoryview(buf)
+    for i in range(0, n, 4096):
+        buf[i] = 1  # pre-touched
+    conn.sendall(b"r")
+    for _ in range(rounds):
+        got = 0
+        while got < n:
+            k = conn.recv_into(view[got:], min(n - got, 8 << 20))
+            if not k:
+                sys.exit(1)
+            got += k
+        conn.sendall(b"k")
+""")
+
+
+def measure_loopback(nbytes: int, core: int, procs: Processes, rounds: int = 4) -> dict:
+    import torch
+
+    proc = procs.start("tcp-receiver", pinned([sys.executable, "-c", _RECEIVER, str(nbytes), str(rounds + 1)], core),
+                       stdout=subprocess.PIPE)
+    try:
+        port = int(proc.stdout.readline())
+        src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+        view = memoryview(src.numpy()).cast("B")
+        times = []
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.recv(1) != b"r":
+                raise RuntimeError("TCP receiver did not start")
+            for _ in range(rounds + 1):
+                started = time.perf_counter()
+                for start in range(0, nbytes, CHUNK):
+                    sock.sendall(view[start:start + CHUNK])
+                if sock.recv(1) != b"k":
+                    raise RuntimeError("TCP receiver failed")
+                times.append(time.perf_counter() - started)
+        view.release()
+        del src
+    finally:
+        procs.stop(proc, timeout=5)
+        if proc.stdout:
+            proc.stdout.close()
+    return timings(nbytes, times[1:])  # the first round warms up
+
+
+def measure_disk(nbytes: int, directory: Path, rounds: int = 3) -> dict:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(9)
+    view = memoryview(src.numpy()).cast("B")
+    times = []
+    for r in range(rounds + 1):
+        path = directory / f"disk-probe-{r}"
+        started = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            written = 0
+            while written < nbytes:
+                written += os.write(fd, view[written:written + CHUNK])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        times.append(time.perf_counter() - started)
+        if r:
+            (directory / f"disk-probe-{r - 1}").unlink()
+    (directory / f"disk-probe-{rounds}").unlink()
+    view.release()
+    del src
+    return timings(nbytes, times[1:])  # the first round warms up
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+def build_model(size_bytes: int, layers: int = 4, batch: int = 32):
+    """An MLP whose fp32 params + AdamW exp_avg + exp_avg_sq hold at least ``size_bytes``."""
+    import torch
+    from torch import nn
+
+    params = math.ceil(size_bytes / 12)
+    width = max(64, math.ceil(math.sqrt(params / layers) / 32) * 32)
+    while layers * (width * width + width) < params:
+        width += 32
+    torch.manual_seed(0)
+    mods = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    model = nn.Sequential(*mods)
+    try:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        fused = True
+    except (RuntimeError, TypeError):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        fused = False
+    x = torch.randn(batch, width)
+    y = torch.randn(batch, width)
+    n_params = sum(p.numel() for p in model.parameters())
+    return model, optimizer, (x, y), {"layers": layers, "width": width, "batch": batch, "params": n_params,
+                                       "state_bytes": 12 * n_params, "adamw_fused": fused}
+
+
+class Trainer:
+    def __init__(self, model, optimizer, batch):
+        import torch.nn.functional as F
+
+        self.model, self.optimizer, (self.x, self.y) = model, optimizer, batch
+        self._loss = F.mse_loss
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)  # grads stay allocated: no fresh pages per step
+        self._loss(self.model(self.x), self.y).backward()
+        self.optimizer.step()
+
+
+# --- the variants ------------------------------------------------------------------------------
+
+
+class Variant:
+    key = "?"
+
+    def __init__(self):
+        self.measuring = False
+        self.saves: list[dict] = []
+
+    def setup(self) -> None: ...
+
+    def begin_block(self) -> None: ...
+
+    def after_step(self, step: int) -> None: ...
+
+    def end_block(self) -> None: ...
+
+    def quiesce(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def result(self) -> dict:
+        return {"saves": self.saves}
+
+
+class NoCheckpoint(Variant):
+    key = "none"
+
+
+class TorchSave(Variant):
+    key = "torch.save"
+
+    def __init__(self, model, optimizer, interval: int, directory: Path):
+        super().__init__()
+        self.model, self.optimizer, self.interval, self.dir = model, optimizer, interval, directory
+
+    def setup(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def after_step(self, step: int) -> None:
+        import torch
+
+        from dashrun.files import fsync_dir
+
+        if (step + 1) % self.interval:
+            return
+        started = time.perf_counter()
+        final = self.dir / f"step-{step:08d}.pt"
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        stall = time.perf_counter() - started
+        if self.measuring:
+            self.saves.append({"step": step, "stall_s": stall, "on_disk_s": stall, "bytes": final.stat().st_size})
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class DcpAsyncSave(Variant):
+    key = "dcp"
+
+    def __init__(self, model, optimizer, interval: int, directory: Path):
+        super().__init__()
+        self.model, self.optimizer, self.interval, self.dir = model, optimizer, interval, directory
+        self._future = None
+        self._record: dict = {}
+
+    def setup(self) -> None:
+        import torch.distributed as dist
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.FileStore(str(self.dir / "store"), 1), rank=0, world_size=1)
+
+    def after_step(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if (step + 1) % self.interval:
+            return
+        started = time.perf_counter()
+        if self._future is not None:  # as its documentation says: the previous one first
+            self._future.result()
+        waited = time.perf_counter() - started
+        record = {"step": step, "waited_previous_s": waited}
+        future = dcp.async_save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                                checkpoint_id=str(self.dir / f"step-{step:08d}"))
+        returned = time.perf_counter()
+        record["async_save_s"] = returned - started - waited
+        record["stall_s"] = returned - started
+        begun = started + waited
+
+        def done(_f, record=record, begun=begun):
+            record["on_disk_s"] = time.perf_counter() - begun
+
+        future.add_done_callback(done)
+        self._future, self._record = future, record
+        if self.measuring:
+            self.saves.append(record)
+
+    def quiesce(self) -> None:
+        if self._future is not None:
+            started = time.perf_counter()
+            self._future.result()
+            self._record["still_writing_at_block_end_s"] = time.perf_counter() - started
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            self.quiesce()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Dashrun(Variant):
+    key = "dashrun"
+
+    def __init__(self, model, optimizer, interval: int, directory: Path, procs: Processes, core: int):
+        super().__init__()
+        self.model, self.optimizer, self.interval, self.dir = model, optimizer, interval, directory
+        self.procs, self.core = procs, core
+        self.job = "bench"
+        self.memd = self.agent = None
+        self.ckpt = None
+        self._waiters = concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="bench-wait")
+        self._pending: list[concurrent.futures.Future] = []
+        self._clients: list = []
+        self._last_record: dict | None = None
+        self.stall_measured_s = 0.0
+        self.snapshots_measured = 0
+        self.skipped_measured = 0
+        self.nbytes = None
+
+    def setup(self) -> None:
+        import dashrun
+        from dashrun import env
+        from dashrun.client import MemdClient
+        from dashrun.units import write_token
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        token_file = self.dir / "token"
+        token = write_token(token_file)
+        ready = self.dir / "memd.ready"
+        self.memd_log = self.dir / "memd.log"
+        self.memd = self.procs.start("dash-memd", pinned(
+            [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
+             str(self.dir / "memd-data"), "--memory-limit", "4GiB", "--token-file", str(token_file),
+             "--ready-file", str(ready)], self.core), log=self.memd_log, cwd=REPO, env=child_env())
+        wait_until(ready.exists, 60, "dash-memd to listen", self.memd, self.memd_log)
+        host, port = ready.read_text().strip().rsplit(":", 1)
+        sock_path = self.dir / "agent.sock"
+        self.agent_log = self.dir / "agent.log"
+        self.agent = self.procs.start("dash-agent", pinned(
+            [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
+             "--socket", str(sock_path)], self.core), log=self.agent_log, cwd=REPO, env=child_env())
+
+        def accepting() -> bool:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(str(sock_path))
+                    return True
+                except OSError:
+                    return False
+
+        wait_until(accepting, 60, "dash-agent to listen", self.agent, self.agent_log)
+        os.environ[env.AGENT_SOCKET.name] = str(sock_path)
+        os.environ[env.JOB_ID.name] = self.job
+        self._clients = [MemdClient(host, int(port), token, timeout=120) for _ in range(3)]
+        self._ram_client, self._disk_client, self._info_client = self._clients
+        self.ckpt = dashrun.Checkpointer(model=self.model, optimizer=self.optimizer, interval=self.interval)
+
+    def after_step(self, step: int) -> None:
+        stats = self.ckpt.stats
+        if self._last_record is not None:
+            # A save's stall is complete once the step after it has run its optimizer hook.
+            self._last_record["stall_s"] = stats.last_stall_s
+            self._last_record = None
+        started = time.perf_counter()
+        saved = self.ckpt.save(step)
+        returned = time.perf_counter()
+        if not saved:
+            return
+        record = {"step": step, "save_call_s": returned - started}
+        snapshot = getattr(self.ckpt, "_current", None)  # internals, for the profile only
+        self._last_record = record
+        if self.measuring:
+            self.saves.append(record)
+
+        def wait_copy():
+            if snapshot is not None and snapshot.copied.wait(120):
+                record["copied_s"] = time.perf_counter() - started
+            if snapshot is not None and snapshot.handed.wait(120) and snapshot.result is not None:
+                with contextlib.suppress(Exception):
+                    snapshot.result.result(timeout=120)
+                    record["agent_ack_s"] = time.perf_counter() - started
+
+        def wait_ram():
+            if self._ram_client.wait(self.job, step, 120):
+                record["ram_s"] = time.perf_counter() - started
+
+        def wait_disk():
+            if self._disk_client.wait(self.job, step, 120, on_disk=True):
+                record["on_disk_s"] = time.perf_counter() - started
+
+        self._pending = [self._waiters.submit(fn) for fn in (wait_copy, wait_ram, wait_disk)]
+
+    def begin_block(self) -> None:
+        stats = self.ckpt.stats
+        self._block0 = (stats.stall_s, stats.snapshots, stats.skipped)
+
+    def end_block(self) -> None:
+        # ckpt.stats over the block: save() and the optimizer-hook waits of the block's checkpoint.
+        stats = self.ckpt.stats
+        if self.measuring:
+            self.stall_measured_s += stats.stall_s - self._block0[0]
+            self.snapshots_measured += stats.snapshots - self._block0[1]
+            self.skipped_measured += stats.skipped - self._block0[2]
+
+    def quiesce(self) -> None:
+        for f in self._pending:
+            f.result(timeout=300)
+        self._pending = []
+
+    def finish(self) -> None:
+        self.quiesce()
+        info = self._info_client.latest(self.job)
+        self.nbytes = info.nbytes if info else None
+
+    def close(self) -> None:
+        from dashrun import env
+
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        if self.ckpt is not None:
+            with contextlib.suppress(Exception):
+                self.ckpt.close()
+        for c in self._clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        os.environ.pop(env.AGENT_SOCKET.name, None)
+        os.environ.pop(env.JOB_ID.name, None)
+        for proc in (self.agent, self.memd):
+            if proc is not None:
+                self.procs.stop(proc, timeout=60)
+
+    def result(self) -> dict:
+        return {"saves": self.saves, "checkpoint_bytes": self.nbytes,
+                "stats_stall_measured_s": self.stall_measured_s, "snapshots_measured": self.snapshots_measured,
+                "skipped_measured": self.skipped_measured,
+                "stats": dataclasses.asdict(self.ckpt.stats) if self.ckpt else None}
+
+
+# --- CPU accounting ----------------------------------------------------------------------------
+
+
+class CpuMonitor:
+    """Busy CPU time of the whole machine vs. of this benchmark's processes, over the measured phase."""
+
+    def __init__(self, named: dict[str, int]):
+        self.named = named  # label -> pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _machine(self) -> dict:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        user, nice, system, _idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        return {"busy": (user + nice + system + irq + softirq) / self.tick, "steal": steal / self.tick,
+                "iowait": iowait / self.tick}
+
+    def _ours(self) -> dict:
+        import psutil
+
+        out = {}
+        me = psutil.Process()
+        procs = {"benchmark (training process)": me}
+        for label, pid in self.named.items():
+            with contextlib.suppress(psutil.Error):
+                procs[label] = psutil.Process(pid)
+        for label, p in procs.items():
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                out[label] = t.user + t.system
+        with contextlib.suppress(psutil.Error):
+            stage = {t.native_id for t in threading.enumerate() if t.name.startswith("dashrun-stage")}
+            out["rank staging thread"] = sum(th.user_time + th.system_time for th in me.threads() if th.id in stage)
+        return out
+
+    def start(self) -> None:
+        self.t0, self.m0, self.o0 = time.perf_counter(), self._machine(), self._ours()
+
+    def stop(self) -> dict:
+        wall, m1, o1 = time.perf_counter() - self.t0, self._machine(), self._ours()
+        ours = {k: o1[k] - self.o0.get(k, 0.0) for k in o1}
+        ours_total = sum(v for k, v in ours.items() if k != "rank staging thread")
+        busy = m1["busy"] - self.m0["busy"]
+        return {"wall_s": wall, "cores": os.cpu_count(), "machine_busy_s": busy,
+                "steal_s": m1["steal"] - self.m0["steal"], "iowait_s": m1["iowait"] - self.m0["iowait"],
+                "ours_s": ours, "foreign_s": max(0.0, busy - ours_total)}
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def first_step(interval: int) -> int:
+    """The first step >= 1000 after which a checkpoint is due ((step + 1) % interval == 0)."""
+    return math.ceil(1001 / interval) * interval - 1
+
+
+def interleave(trainer: Trainer, variants: list[Variant], *, interval: int, warmup_rounds: int, rounds: int,
+               monitor: CpuMonitor, train_core: int, log) -> dict:
+    step = first_step(interval)
+    blocks: dict[str, list[float]] = {v.key: [] for v in variants}
+    step_times: dict[str, list[float]] = {v.key: [] for v in variants}
+    # Where a block's time went: CPU time of the whole training process (all its threads), CPU time
+    # of the training thread, and the training thread's wait for a CPU (kernel schedstat).
+    usage: dict[str, dict[str, list[float]]] = {v.key: {"process_cpu_s": [], "train_thread_cpu_s": [],
+                                                        "train_thread_runqueue_s": [], "others_on_core_s": []}
+                                                for v in variants}
+    spans: dict[str, list[tuple[float, float]]] = {v.key: [] for v in variants}  # CLOCK_MONOTONIC, for tracing
+    sequence: list[tuple[str, int]] = []  # measured blocks in the order they ran: (variant, index in blocks)
+
+    def block(v: Variant) -> float:
+        nonlocal step
+        times = []
+        v.begin_block()
+        cpu0, thread0, wait0, core0 = time.process_time(), time.thread_time(), runqueue_wait(), core_busy(train_core)
+        mono0 = time.monotonic()
+        started = time.perf_counter()
+        for _ in range(interval):
+            t = time.perf_counter()
+            trainer.step()
+            v.after_step(step)
+            times.append(time.perf_counter() - t)
+            step += 1
+        elapsed = time.perf_counter() - started
+        cpu1, thread1, wait1, core1 = time.process_time(), time.thread_time(), runqueue_wait(), core_busy(train_core)
+        mono1 = time.monotonic()
+        v.end_block()
+        v.quiesce()  # untimed: background work of this block must not land in the next one
+        if v.measuring:
+            step_times[v.key].extend(times)
+            usage[v.key]["process_cpu_s"].append(cpu1 - cpu0)
+            usage[v.key]["train_thread_cpu_s"].append(thread1 - thread0)
+            usage[v.key]["train_thread_runqueue_s"].append(wait1 - wait0)
+            # This process is pinned to the training core: what else that core ran (10 ms ticks).
+            usage[v.key]["others_on_core_s"].append((core1 - core0) - (cpu1 - cpu0))
+            spans[v.key].append((mono0, mono1))
+        return elapsed
+
+    def measured(v: Variant) -> None:
+        v.measuring = True
+        try:
+            blocks[v.key].append(block(v))
+        finally:
+            v.measuring = False
+        sequence.append((v.key, len(blocks[v.key]) - 1))
+
+    for r in range(warmup_rounds):
+        for v in variants:
+            block(v)
+    log(f"  warm-up: {warmup_rounds} blocks ({warmup_rounds} checkpoints) per variant done")
+    baseline, others = variants[0], variants[1:]
+    monitor.start()
+    measured(baseline)
+    for r in range(rounds):
+        # Every checkpointing block sits between two baseline blocks; the order rotates per round.
+        shift = r % max(1, len(others))
+        for v in others[shift:] + others[:shift]:
+            measured(v)
+            measured(baseline)
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{v.key} {blocks[v.key][-1]:.2f}s" for v in variants))
+    cpu = monitor.stop()
+    return {"blocks_s": blocks, "step_times_s": step_times, "usage": usage, "spans_monotonic": spans,
+            "sequence": sequence, "cpu": cpu, "last_step": step - 1}
+
+
+def sandwich(run: dict, key: str, series: str | None = None) -> list[float]:
+    """Per block of ``key``: its value minus the mean of the baseline blocks just before and after it."""
+    def value(k: str, i: int) -> float:
+        return run["blocks_s"][k][i] if series is None else run["usage"][k][series][i]
+
+    seq = run["sequence"]
+    out = []
+    for j, (k, i) in enumerate(seq):
+        if k != key:
+            continue
+        neighbours = [value(*seq[n]) for n in (j - 1, j + 1) if 0 <= n < len(seq) and seq[n][0] == "none"]
+        if neighbours:
+            out.append(value(k, i) - statistics.fmean(neighbours))
+    return out
+
+
+def core_busy(core: int) -> float:
+    """Busy seconds of one CPU since boot (user, nice, system, irq, softirq), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith(f"cpu{core} "):
+                    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in line.split()[1:8])
+                    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def runqueue_wait() -> float:
+    """Seconds this thread has waited for a CPU while runnable (0 where the kernel does not say)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def med(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if abs(ms) >= 99.5 else f"{ms:.1f} ms"
+
+
+def fmt_bw(nbytes: float, seconds: float | None) -> str:
+    return "–" if not seconds else f"{nbytes / seconds / GiB:.2f} GiB/s"
+
+
+def summarise(key: str, variant: Variant, run: dict) -> dict:
+    base = run["blocks_s"]["none"]
+    mine = run["blocks_s"][key]
+    saves = variant.saves
+    s = {"blocks": len(mine), "total_s": sum(mine), "step_median_s": med(run["step_times_s"][key])}
+    if key == "none":
+        s["block_mean_s"] = statistics.fmean(base)
+        return s
+    n = len(saves)
+    # (time of the blocks with checkpoints - time of as many baseline steps) / checkpoints, the baseline
+    # being the blocks right before and after each one ("sandwich"), so slow drift cancels.
+    diffs = sandwich(run, key)
+    s.update({
+        "checkpoints": n,
+        "added_per_checkpoint_s": statistics.fmean(diffs) if diffs and n == len(diffs) else None,
+        "added_vs_all_baseline_blocks_s": (sum(mine) - len(mine) * statistics.fmean(base)) / n if n else None,
+        "added_paired_median_s": med(diffs),
+        "added_stderr_s": (statistics.stdev(diffs) / math.sqrt(len(diffs))) if len(diffs) > 1 else None,
+        "stall_median_s": med(r.get("stall_s") for r in saves),
+        "stall_mean_s": statistics.fmean(r.get("stall_s") or 0.0 for r in saves) if saves else None,
+        "stall_max_s": max((r.get("stall_s") or 0.0 for r in saves), default=None),
+        "on_disk_median_s": med(r.get("on_disk_s") for r in saves),
+    })
+    for name, values in run["usage"][key].items():
+        if values and n:
+            s[f"added_{name}_per_checkpoint"] = statistics.fmean(sandwich(run, key, name))
+    if key == "dcp":
+        s["async_save_median_s"] = med(r.get("async_save_s") for r in saves)
+        s["waited_previous_max_s"] = max((r.get("waited_previous_s") or 0.0 for r in saves), default=None)
+        s["still_writing_at_block_end_median_s"] = med(r.get("still_writing_at_block_end_s") for r in saves)
+    if key == "dashrun":
+        s["save_call_median_s"] = med(r.get("save_call_s") for r in saves)
+        s["hook_wait_median_s"] = med((r["stall_s"] - r["save_call_s"]) for r in saves if "stall_s" in r)
+        s["copied_median_s"] = med(r.get("copied_s") for r in saves)
+        s["ram_median_s"] = med(r.get("ram_s") for r in saves)
+        s["agent_ack_median_s"] = med(r.get("agent_ack_s") for r in saves)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=float, default=256, help="model + AdamW state size (default 256)")
+    parser.add_argument("--steps", type=int, default=80,
+                        help="measured steps per variant, a multiple of --interval (default 80; more: tighter "
+                             "error bars)")
+    parser.add_argument("--interval", type=int, default=10, help="steps between checkpoints (default 10)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="checkpoints per variant before measuring (default 3: dash-memd's buffer pool needs "
+                             "keep-ram + 1 buffers before it stops allocating; minimum 2)")
+    parser.add_argument("--batch", type=int, default=32, help="batch size of the MLP (default 32)")
+    parser.add_argument("--variants", default="torch.save,dcp,dashrun",
+                        help="checkpointing variants to run besides the baseline (default: all three)")
+    parser.add_argument("--json", metavar="OUT", help="write every number here")
+    parser.add_argument("--keep-tmp", action="store_true", help="keep the scratch directory (logs of dash-memd...)")
+    args = parser.parse_args(argv)
+    if args.steps < args.interval or args.steps % args.interval:
+        parser.error("--steps must be a positive multiple of --interval")
+    args.warmup = max(2, args.warmup)
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(wanted) - {"torch.save", "dcp", "dashrun"}
+    if unknown:
+        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
+
+    # SIGTERM unwinds like Ctrl-C, so every process this benchmark started is stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    train_core, side_core, separate = placement()
+    pin_process({train_core})
+    import torch
+
+    torch.set_num_threads(1)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    procs = Processes()
+    scratch = Path(tempfile.mkdtemp(prefix="dashbench-", dir="/tmp"))
+    try:
+        return run(args, wanted, train_core, side_core, separate, procs, scratch, log)
+    finally:
+        procs.stop_all()
+        if args.keep_tmp:
+            print(f"scratch kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args, wanted, train_core, side_core, separate, procs, scratch, log) -> int:
+    import torch
+
+    began = time.perf_counter()
+    mach = machine()
+    model, optimizer, batch, mdesc = build_model(int(args.size_mib * MiB), batch=args.batch)
+    trainer = Trainer(model, optimizer, batch)
+    trainer.step()  # creates the AdamW state
+    state_bytes = mdesc["state_bytes"]
+    rounds = args.steps // args.interval
+    where = (f"training process pinned to core {train_core}; dash-memd, dash-agent and the TCP receiver pinned "
+             f"to core {side_core}" if separate else f"one core only: everything shares core {train_core}")
+    log(f"machine: {describe_machine(mach)}; torch {torch.__version__}, torch.set_num_threads(1)")
+    log(f"placement: {where}")
+    log(f"model: MLP {mdesc['layers']} x Linear({mdesc['width']}, {mdesc['width']}), batch {mdesc['batch']}, "
+        f"{mdesc['params'] / 1e6:.1f}M params, AdamW{' (fused)' if mdesc['adamw_fused'] else ''}; state "
+        f"{state_bytes / MiB:.1f} MiB (params + exp_avg + exp_avg_sq, fp32)")
+    log(f"schedule: a checkpoint every {args.interval} steps; {args.warmup} warm-up checkpoints per variant, then "
+        f"{args.steps} measured steps ({rounds} checkpoints) per variant, interleaved in blocks of {args.interval} "
+        f"steps in rotating order")
+
+    log("physical limits (same byte count, best of repeats):")
+    limits = {"memcpy": measure_memcpy(state_bytes)}
+    log(f"  memcpy (torch copy_, 1 thread, core {train_core}):  {fmt_bw(state_bytes, limits['memcpy']['time_s'])}")
+    limits["loopback_tcp"] = measure_loopback(state_bytes, side_core, procs)
+    log(f"  loopback TCP (core {train_core} -> core {side_core}):      "
+        f"{fmt_bw(state_bytes, limits['loopback_tcp']['time_s'])}")
+    limits["disk"] = measure_disk(state_bytes, scratch)
+    log(f"  disk write + fsync (in {scratch}): {fmt_bw(state_bytes, limits['disk']['time_s'])}")
+
+    variants: list[Variant] = [NoCheckpoint()]
+    if "torch.save" in wanted:
+        variants.append(TorchSave(model, optimizer, args.interval, scratch / "torchsave"))
+    if "dcp" in wanted:
+        variants.append(DcpAsyncSave(model, optimizer, args.interval, scratch / "dcp"))
+    dash: Dashrun | None = None
+    if "dashrun" in wanted:
+        dash = Dashrun(model, optimizer, args.interval, scratch / "dash", procs, side_core)
+        variants.append(dash)
+    try:
+        for v in variants:
+            v.setup()
+        named = {"dash-memd": dash.memd.pid, "dash-agent": dash.agent.pid} if dash else {}
+        if dash:
+            log(f"dash-memd pid {dash.memd.pid}, dash-agent pid {dash.agent.pid} (logs in {dash.dir})")
+        log("training:")
+        run_ = interleave(trainer, variants, interval=args.interval, warmup_rounds=args.warmup, rounds=rounds,
+                          monitor=CpuMonitor(named), train_core=train_core, log=log)
+        if dash:
+            dash.finish()
+        results = {v.key: v.result() for v in variants}
+        summary = {v.key: summarise(v.key, v, run_) for v in variants}
+    finally:
+        for v in reversed(variants):
+            with contextlib.suppress(Exception):
+                v.close()
+
+    report(args, mach, where, mdesc, limits, run_, results, summary, began, scratch)
+    return 0
+
+
+def report(args, mach, where, mdesc, limits, run_, results, summary, began, scratch) -> None:
+    import torch
+
+    state_bytes = mdesc["state_bytes"]
+    rounds = args.steps // args.interval
+    ck_bytes = (results.get("dashrun") or {}).get("checkpoint_bytes") or state_bytes
+    mem_t = ck_bytes / limits["memcpy"]["bandwidth"]
+    tcp_t = ck_bytes / limits["loopback_tcp"]["bandwidth"]
+    disk_t = ck_bytes / limits["disk"]["bandwidth"]
+    base = summary["none"]
+    cpu = run_["cpu"]
+    print()
+    print(f"baseline (no checkpointing): {base['blocks']} blocks of {args.interval} steps, {base['block_mean_s']:.2f}s "
+          f"per block on average (so {args.steps} steps in {base['block_mean_s'] * rounds:.2f}s), median step "
+          f"{base['step_median_s'] * 1e3:.0f} ms")
+    for key in ("torch.save", "dcp", "dashrun"):
+        if key not in summary:
+            continue
+        s = summary[key]
+        label = {"torch.save": "torch.save + fsync", "dcp": "DCP async_save", "dashrun": "dashrun"}[key]
+        se = f" ± {fmt_ms(s['added_stderr_s'])} s.e." if s["added_stderr_s"] is not None else ""
+        print(f"{label}: stall per checkpoint median {fmt_ms(s['stall_median_s'])} (mean {fmt_ms(s['stall_mean_s'])},"
+              f" max {fmt_ms(s['stall_max_s'])}); added training time per checkpoint "
+              f"{fmt_ms(s['added_per_checkpoint_s'])}{se} (median {fmt_ms(s['added_paired_median_s'])}; against all baseline blocks "
+              f"{fmt_ms(s['added_vs_all_baseline_blocks_s'])}); on disk after "
+              f"{fmt_ms(s['on_disk_median_s'])}")
+        print(f"  of the added time per checkpoint: CPU time of the training process "
+              f"{fmt_ms(s.get('added_process_cpu_s_per_checkpoint'))} (training thread "
+              f"{fmt_ms(s.get('added_train_thread_cpu_s_per_checkpoint'))}), the training thread waiting for a "
+              f"CPU {fmt_ms(s.get('added_train_thread_runqueue_s_per_checkpoint'))}; other processes on the training "
+              f"core {fmt_ms(s.get('added_others_on_core_s_per_checkpoint'))}")
+        if key == "dcp":
+            print(f"  async_save() blocks {fmt_ms(s['async_save_median_s'])}; wait for the previous future at most "
+                  f"{fmt_ms(s['waited_previous_max_s'])}; still writing at the end of its block (awaited untimed): "
+                  f"median {fmt_ms(s['still_writing_at_block_end_median_s'])}")
+        if key == "dashrun":
+            r = results["dashrun"]
+            print(f"  stall = save() {fmt_ms(s['save_call_median_s'])} + optimizer-hook wait "
+                  f"{fmt_ms(s['hook_wait_median_s'])} (medians); ckpt.stats over the measured blocks: "
+                  f"{fmt_ms(r['stats_stall_measured_s'] / max(1, r['snapshots_measured']))} per snapshot; "
+                  f"snapshots {r['snapshots_measured']}, skipped {r['skipped_measured']}, failed "
+                  f"{r['stats']['failed'] if r['stats'] else '?'}")
+            print(f"  {ck_bytes / MiB:.1f} MiB per checkpoint; after save(): background copy done "
+                  f"{fmt_ms(s['copied_median_s'])}, committed in dash-memd RAM {fmt_ms(s['ram_median_s'])} "
+                  f"({fmt_bw(ck_bytes, s['ram_median_s'])}), agent's ack to the rank {fmt_ms(s['agent_ack_median_s'])},"
+                  f" on disk {fmt_ms(s['on_disk_median_s'])} ({fmt_bw(ck_bytes, s['on_disk_median_s'])})")
+            n = max(1, r["snapshots_measured"])
+            print("  CPU time per checkpoint (whole measured phase / dashrun checkpoints): " + ", ".join(
+                f"{k} {cpu['ours_s'][k] / n * 1e3:.0f} ms" for k in ("dash-agent", "dash-memd", "rank staging thread")
+                if k in cpu["ours_s"]))
+    print(f"physical limits for {ck_bytes / MiB:.1f} MiB (best of repeats; median in brackets): memcpy "
+          f"{fmt_ms(mem_t)} ({limits['memcpy']['bandwidth'] / GiB:.2f} GiB/s; "
+          f"{limits['memcpy']['median_bandwidth'] / GiB:.2f}), loopback TCP {fmt_ms(tcp_t)} "
+          f"({limits['loopback_tcp']['bandwidth'] / GiB:.2f} GiB/s; {limits['loopback_tcp']['median_bandwidth'] / GiB:.2f})"
+          f", disk write+fsync {fmt_ms(disk_t)} ({limits['disk']['bandwidth'] / GiB:.2f} GiB/s; "
+          f"{limits['disk']['median_bandwidth'] / GiB:.2f})")
+    foreign_pct = 100 * cpu["foreign_s"] / (cpu["wall_s"] * cpu["cores"])
+    print(f"machine load during the measured phase ({cpu['wall_s']:.0f}s): CPU used by other processes "
+          f"{cpu['foreign_s']:.1f}s = {foreign_pct:.0f}% of {cpu['cores']} cores, steal {cpu['steal_s']:.1f}s"
+          + ("  -- WARNING: the machine was shared; figures are noisy" if foreign_pct > 5 else ""))
+
+    ratios: dict = {}
+    if "dashrun" in summary:
+        d = summary["dashrun"]
+        ratios["stall_ms_per_gib"] = d["stall_median_s"] * 1e3 / (ck_bytes / GiB)
+        ratios["stall_mean_ms_per_gib"] = d["stall_mean_s"] * 1e3 / (ck_bytes / GiB)
+        ts = summary.get("torch.save")
+        if ts and ts["added_per_checkpoint_s"] and ts["added_per_checkpoint_s"] > 0:
+            ratios["added_pct_of_torch_save"] = 100 * d["added_per_checkpoint_s"] / ts["added_per_checkpoint_s"]
+            if ts["added_paired_median_s"] and ts["added_paired_median_s"] > 0:
+                ratios["added_paired_median_pct_of_torch_save"] = (100 * d["added_paired_median_s"]
+                                                                   / ts["added_paired_median_s"])
+        if d["ram_median_s"]:
+            ratios["ram_commit_over_limit"] = d["ram_median_s"] / (mem_t + tcp_t)
+        if d["on_disk_median_s"]:
+            ratios["on_disk_over_limit"] = d["on_disk_median_s"] / (mem_t + tcp_t + disk_t)
+        added_se_pct = None
+        if "added_pct_of_torch_save" in ratios and d["added_stderr_s"] is not None:
+            added_se_pct = 100 * d["added_stderr_s"] / summary["torch.save"]["added_per_checkpoint_s"]
+            ratios["added_pct_stderr"] = added_se_pct
+        notes = []
+        if added_se_pct is not None:
+            notes.append(f"± {added_se_pct:.1f} s.e.")
+        if "added_paired_median_pct_of_torch_save" in ratios:
+            notes.append(f"median {ratios['added_paired_median_pct_of_torch_save']:.1f}")
+        checks = [
+            ("dashrun stall per checkpoint, ms per GiB", ratios.get("stall_ms_per_gib"), TARGET_STALL_MS_PER_GIB,
+             f"median; mean {ratios['stall_mean_ms_per_gib']:.1f}", None),
+            ("dashrun added training time per checkpoint, % of torch.save's", ratios.get("added_pct_of_torch_save"),
+             TARGET_ADDED_PCT_OF_TORCH_SAVE, "; ".join(notes), added_se_pct),
+            ("dashrun RAM commit / (memcpy + loopback TCP)", ratios.get("ram_commit_over_limit"),
+             TARGET_RAM_COMMIT_OVER_LIMIT, "", None),
+        ]
+        ratios["targets"] = {}
+        print()
+        print("targets:")
+        for label, value, target, note, se in checks:
+            ok = value is not None and value <= target
+            unresolved = se is not None and value is not None and abs(value - target) < 2 * se
+            ratios["targets"][label] = {"value": value, "target": target, "met": ok, "note": note,
+                                        "within_2_stderr_of_target": unresolved}
+            shown = "n/a" if value is None else f"{value:.2f}"
+            verdict = "MET" if ok else "MISSED" if value is not None else "not measured"
+            if unresolved:
+                verdict += " (within 2 s.e. of the target: not resolved by this run)"
+            print(f"  {label}: {shown}{f' ({note})' if note else ''}; target <= {target:g}: {verdict}")
+        if "on_disk_over_limit" in ratios:
+            print(f"  (not a target) dashrun on disk / (memcpy + loopback TCP + disk): "
+                  f"{ratios['on_disk_over_limit']:.2f}")
+
+    md = [(f"Machine: {describe_machine(mach)}; {where}. Model: MLP {mdesc['layers']} x {mdesc['width']}², "
+           f"AdamW; {state_bytes / MiB:.0f} MiB of state"
+           f"{f', {ck_bytes / MiB:.1f} MiB per dashrun checkpoint' if 'dashrun' in summary else ''}. A "
+           f"checkpoint every {args.interval} steps ({args.interval} x {base['step_median_s'] * 1e3:.0f} ms); "
+           f"{rounds} checkpoints per variant measured after {args.warmup} warm-up ones, variants interleaved. "
+            f"torch {torch.__version__}. Other processes used {foreign_pct:.0f}% of the CPUs meanwhile."),
+          "",
+          "| | stall per checkpoint | added training time per checkpoint | safe in remote RAM after | safe on disk after |",
+          "|---|---:|---:|---:|---:|",
+          f"| no checkpointing | – | – ({args.steps} steps: {base['block_mean_s'] * rounds:.1f} s) | – | – |"]
+    if "torch.save" in summary:
+        s = summary["torch.save"]
+        md.append(f"| `torch.save` + fsync | {fmt_ms(s['stall_median_s'])} | {fmt_ms(s['added_per_checkpoint_s'])} "
+                  f"| – | {fmt_ms(s['on_disk_median_s'])} |")
+    if "dcp" in summary:
+        s = summary["dcp"]
+        md.append(f"| DCP `async_save` | {fmt_ms(s['stall_median_s'])} | {fmt_ms(s['added_per_checkpoint_s'])} "
+                  f"| – | {fmt_ms(s['on_disk_median_s'])} |")
+    if "dashrun" in summary:
+        s = summary["dashrun"]
+        md.append(f"| **dashrun** | {fmt_ms(s['stall_median_s'])} | {fmt_ms(s['added_per_checkpoint_s'])} | "
+                  f"{fmt_ms(s['ram_median_s'])} ({fmt_bw(ck_bytes, s['ram_median_s'])}) | "
+                  f"{fmt_ms(s['on_disk_median_s'])} ({fmt_bw(ck_bytes, s['on_disk_median_s'])}) |")
+    md.append(f"| physical limit | – | – | {fmt_ms(mem_t + tcp_t)} (memcpy {fmt_bw(ck_bytes, mem_t)}, then "
+              f"loopback TCP {fmt_bw(ck_bytes, tcp_t)}) | {fmt_ms(mem_t + tcp_t + disk_t)} (then disk write+fsync "
+              f"{fmt_bw(ck_bytes, disk_t)}) |")
+    if ratios.get("targets"):
+        md += ["", "| target | measured | met |", "|---|---:|---|"]
+        for label, t in ratios["targets"].items():
+            v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+            met = "yes" if t["met"] else "no" if t["value"] is not None else "not measured"
+            if t["within_2_stderr_of_target"]:
+                met += " (within 2 s.e.)"
+            note = f" ({t['note']})" if t["note"] else ""
+            md.append(f"| {label} <= {t['target']:g} | {v}{note} | {met} |")
+    print()
+    print("\n".join(md))
+    print()
+    print(f"(benchmark took {time.perf_counter() - began:.0f} s)")
+
+    if args.json:
+        payload = {"machine": mach, "placement": where, "model": mdesc, "interval": args.interval,
+                   "steps": args.steps, "warmup_checkpoints": args.warmup, "limits": limits,
+                   "interleaved": {k: v for k, v in run_.items()}, "variants": results, "summary": summary,
+                   "ratios": ratios, "checkpoint_bytes": ck_bytes, "markdown": "\n".join(md)}
+        Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""dashrun as a torchrun drop-in, and its job commands, with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TRAIN, dashrun_cmd
+from dashrun.launcher import build_parser
+
+ENVDUMP = REPO / "tests" / "bin" / "envdump.py"
+
+
+def run(cmd, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+
+
+def dashrun(*args, **kwargs) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "dashrun", *args], **kwargs)
+
+
+# --- torchrun parity -----------------------------------------------------------------
+
+
+def _actions(parser):
+    return {a.dest: a for a in parser._actions if a.dest != "help"}
+
+
+def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
+    from torch.distributed.run import get_args_parser
+
+    theirs, ours = _actions(get_args_parser()), _actions(build_parser())
+    missing = sorted(set(theirs) - set(ours))
+    assert not missing, f"torchrun flags dashrun does not accept: {missing}"
+    for dest, action in theirs.items():
+        mine = ours[dest]
+        assert set(action.option_strings) == set(mine.option_strings), dest   # both spellings
+        for attribute in ("default", "nargs", "choices", "const", "required"):
+            assert getattr(action, attribute) == getattr(mine, attribute), f"{dest}.{attribute}"
+        assert getattr(action.type, "__qualname__", action.type) == getattr(mine.type, "__qualname__", mine.type)
+        assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
+    own = sorted(set(ours) - set(theirs))
+    assert own == ["fresh", "job_id", "memd", "token_file"]
+
+
+def test_pet_environment_twins_work_as_in_torchrun(monkeypatch):
+    from torch.distributed.run import get_args_parser
+
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "4")
+    monkeypatch.setenv("DASH_JOB_ID", "from-env")
+    theirs = get_args_parser().parse_args(["x.py"])
+    ours = build_parser().parse_args(["x.py"])
+    assert (ours.nproc_per_node, ours.max_restarts) == (theirs.nproc_per_node, theirs.max_restarts) == ("3", 4)
+    assert ours.job_id == "from-env"
+
+
+@pytest.mark.slow
+def test_ranks_get_the_environment_torchrun_gives_them(tmp_path):
+    torchrun_out, dashrun_out = tmp_path / "torchrun", tmp_path / "dashrun"
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    assert run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ENVDUMP),
+                str(torchrun_out)]).returncode == 0
+    result = dashrun("--nproc-per-node", "2", "--job-id", "envdump", str(ENVDUMP), str(dashrun_out), env=cache)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for rank in (0, 1):
+        theirs = json.loads((torchrun_out / f"env-rank{rank}.json").read_text())
+        mine = json.loads((dashrun_out / f"env-rank{rank}.json").read_text())
+        torch_vars = {k for k in theirs if k not in os.environ or theirs[k] != os.environ[k]}
+        assert torch_vars <= mine.keys(), sorted(torch_vars - mine.keys())
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+                     "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "MASTER_ADDR"):
+            assert mine[name] == theirs[name], name
+        assert mine["DASH_JOB_ID"] == "envdump" and Path(mine["DASH_AGENT_SOCKET"]).name == "agent.sock"
+
+
+# --- the private dash-memd ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_without_memd_a_private_one_keeps_the_job_across_invocations(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = tmp_path / "out"
+    cmd = ["--nproc-per-node", "2", str(TRAIN), "--steps", "20", "--interval", "5", "--out", str(out)]
+    crashed = dashrun(*cmd, env={**env, "DASH_CRASH_AT": "rank.staging@rank=0,step=14"})
+    assert crashed.returncode == 1
+    resumed = dashrun(*cmd, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    starts = [line for line in (out / "rank0.log").read_text().splitlines() if line.startswith("start")]
+    assert starts == ["start 0", "start 10"]
+    status = dashrun("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    jobs = json.loads(status.stdout)["jobs"]
+    assert len(jobs) == 1 and jobs[0]["job"].startswith("train-") and jobs[0]["newest"]["step"] == 19
+    assert oct((tmp_path / "cache" / "dashrun" / "memd" / "token").stat().st_mode & 0o777) == "0o600"
+
+
+# --- commands against a shared dash-memd --------------------------------------------
+
+
+@pytest.fixture
+def finished_job(memd, tmp_path):
+    """A 2-rank job of 10 steps checkpointed at steps 4 and 9; its final state is step 9's."""
+    out = tmp_path / "job-out"
+    result = run(dashrun_cmd(memd, str(TRAIN), "--steps", "10", "--interval", "5", "--out", str(out), job="cli"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return memd, out
+
+
+def memd_args(memd) -> list[str]:
+    return ["--memd", memd.address, "--token-file", str(memd.token_file)]
+
+
+@pytest.mark.slow
+def test_status_and_ls(finished_job):
+    memd, _ = finished_job
+    status = dashrun("status", *memd_args(memd), "--json")
+    assert status.returncode == 0, status.stderr
+    (job,) = json.loads(status.stdout)["jobs"]
+    assert job["job"] == "cli" and job["newest"]["step"] == 9 and job["newest"]["world"] == 2
+    assert "ram" in job["newest"]["tiers"] and len(job["nodes"]) == 1
+    assert job["spec"]["argv"][-1].endswith("job-out")
+    listing = dashrun("ls", "cli", *memd_args(memd), "--json")
+    assert [c["step"] for c in json.loads(listing.stdout)["checkpoints"]] == [4, 9]
+    table = dashrun("status", *memd_args(memd))
+    assert table.returncode == 0 and "cli" in table.stdout
+    missing = dashrun("ls", "nope", *memd_args(memd))
+    assert missing.returncode == 1 and "knows no job" in missing.stderr
+
+
+def _strip_ddp(state: dict) -> dict:
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+@pytest.mark.slow
+def test_export_reads_back_with_plain_torch_and_dcp(finished_job, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    memd, out = finished_job
+    final = {rank: torch.load(out / f"final-rank{rank}.pt", weights_only=False) for rank in (0, 1)}
+    exported = tmp_path / "step9.pt"
+    result = dashrun("export", "cli", str(exported), "--format", "torch", *memd_args(memd))
+    assert result.returncode == 0, result.stderr
+    state = torch.load(exported)  # weights_only: no pickle of arbitrary objects needed
+    assert state["dashrun"] == {"job": "cli", "step": 9, "world": 2}
+    for key, tensor in _strip_ddp(state["model"]).items():
+        assert torch.equal(tensor, final[0]["model"][key]), key
+    for index, per_param in final[0]["optimizer"]["state"].items():
+        for name, value in per_param.items():
+            assert torch.equal(state["optimizer"]["state"][index][name], value)
+    assert state["scheduler"] == final[0]["scheduler"]
+    for rank in (0, 1):
+        assert state["per_rank"][str(rank)]["data"] == final[rank]["cursor"]
+        assert torch.equal(state["per_rank"][str(rank)]["$rng"]["torch"], final[rank]["rng"])
+
+    directory = tmp_path / "step9.dcp"
+    result = dashrun("export", "cli", str(directory), "--format", "dcp", "--step", "9", *memd_args(memd))
+    assert result.returncode == 0, result.stderr
+    template = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                "optimizer": {"state": {i: {n: torch.zeros_like(v) for n, v in s.items()}
+                                        for i, s in state["optimizer"]["state"].items()}}}
+    dcp.load(template, checkpoint_id=str(directory), no_dist=True)
+    for key, tensor in state["model"].items():
+        assert torch.equal(template["model"][key], tensor), key
+    for index, per_param in state["optimizer"]["state"].items():
+        for name, value in per_param.items():
+            assert torch.equal(template["optimizer"]["state"][index][name], value)
+
+    again = dashrun("export", "cli", str(exported), *memd_args(memd))
+    assert again.returncode == 2 and "never overwrites" in again.stderr
+    older = dashrun("export", "cli", str(tmp_path / "old.pt"), "--step", "3", *memd_args(memd))
+    assert older.returncode == 1 and "no committed checkpoint of step 3" in older.stderr
+
+
+@pytest.mark.slow
+def test_gc_and_rm(finished_job):
+    memd, _ = finished_job
+    assert dashrun("gc", "cli", "--keep", "1", *memd_args(memd)).returncode == 0
+    listing = json.loads(dashrun("ls", "cli", *memd_args(memd), "--json").stdout)
+    assert [c["step"] for c in listing["checkpoints"]] == [9]
+    assert dashrun("rm", "cli", *memd_args(memd)).returncode == 0
+    assert json.loads(dashrun("status", *memd_args(memd), "--json").stdout)["jobs"] == []
+    assert not (memd.data_dir / "jobs" / "cli" / "0000000000000009").exists()
+    gone = dashrun("resume", "--job-id", "cli", *memd_args(memd))
+    assert gone.returncode == 1 and "no launch spec" in gone.stderr
+
+
+@pytest.mark.slow
+def test_resume_relaunches_the_stored_spec_from_another_directory(memd, tmp_path):
+    workdir, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    workdir.mkdir()
+    elsewhere.mkdir()
+    shutil.copy(TRAIN, workdir / "train.py")
+    launch = [sys.executable, "-m", "dashrun", *memd_args(memd), "--job-id", "spec", "--nproc-per-node", "2",
+              "train.py", "--steps", "20", "--interval", "5", "--out", "out"]  # all relative to workdir
+    crashed = run(launch, cwd=workdir, env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
+    assert crashed.returncode == 1
+    resumed = dashrun("resume", "--job-id", "spec", *memd_args(memd), cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    starts = [line for line in (workdir / "out" / "rank1.log").read_text().splitlines() if line.startswith("start")]
+    assert starts == ["start 0", "start 10"]
+
+
+@pytest.mark.slow
+def test_fresh_starts_over(finished_job):
+    memd, out = finished_job
+    result = run(dashrun_cmd(memd, "--fresh", str(TRAIN), "--steps", "3", "--interval", "5", "--out", str(out),
+                             job="cli"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "rank0.log").read_text().splitlines().count("start 0") == 2
+    listing = json.loads(dashrun("ls", "cli", *memd_args(memd), "--json").stdout)
+    assert listing["checkpoints"] == []

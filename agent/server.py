@@ -38,6 +38,9 @@ from dashrun.protocol import (
 
 log = logging.getLogger(__name__)
 
+#: Longest a handed-over shard may wait for its rank's next staging progress.
+STAGING_TIMEOUT = 300.0
+
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
     memd_host: str
@@ -135,6 +138,70 @@ class RestoreCache:
                     os.close(image.fd)
 
 
+@dataclasses.dataclass
+class Staged:
+    """A shard a rank handed over, readable in the agent's mapping of its segment, perhaps still being staged."""
+
+    request_id: int
+    header: ShardHeader
+    view: memoryview
+    ready: int  # bytes [0, ready) of the shard are final
+    failed: bool = False
+    cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+
+    def advance(self, ready: int | None = None, failed: bool = False) -> None:
+        with self.cond:
+            if ready is not None:
+                self.ready = max(self.ready, min(ready, self.header.nbytes))
+            self.failed = self.failed or failed
+            self.cond.notify_all()
+
+    def wait_ready(self, end: int) -> None:
+        """Block until the shard's first ``end`` bytes are final; raise if the rank gave up or went away."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.ready >= end or self.failed, timeout=STAGING_TIMEOUT)
+            if self.ready < end:
+                raise UnavailableError("the rank stopped before its snapshot was staged")
+
+
+class SegmentMaps:
+    """The agent's read-only mappings of a rank's staging segments, kept while the rank reuses them.
+
+    A rank alternates between two segments; mapping each once avoids
+    faulting its pages in again for every checkpoint.
+    """
+
+    KEEP = 2
+
+    def __init__(self):
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+
+    def view(self, fd: int, nbytes: int) -> memoryview:
+        st = os.fstat(fd)
+        if st.st_size < nbytes:
+            raise ProtocolError("the segment is smaller than the shard it should hold")
+        key = (st.st_dev, st.st_ino)
+        mapped = self._maps.pop(key, None)
+        if mapped is None or len(mapped) != st.st_size:
+            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        self._maps[key] = mapped  # most recently used last
+        while len(self._maps) > self.KEEP:
+            self._close(self._maps.pop(next(iter(self._maps))))
+        return memoryview(mapped)[:nbytes]
+
+    @staticmethod
+    def _close(mapped: mmap.mmap) -> None:
+        try:
+            mapped.close()
+        except BufferError:
+            pass  # still being sent; it goes when its last view does
+
+    def close(self) -> None:
+        for mapped in self._maps.values():
+            self._close(mapped)
+        self._maps.clear()
+
+
 class RankConnection:
     """One rank's connection: a reader (this thread), a sender thread, helpers for slow requests."""
 
@@ -142,7 +209,9 @@ class RankConnection:
         self.agent = agent
         self.ch = Channel(sock)
         self._send_lock = threading.Lock()
-        self._snapshots: queue.Queue[tuple[Any, ShardHeader, int] | None] = queue.Queue()
+        self._snapshots: queue.Queue[Staged | None] = queue.Queue()
+        self._staging: dict[int, Staged] = {}
+        self._maps = SegmentMaps()
         self.sender = threading.Thread(target=self._send_loop, name="agent-sender", daemon=True)
         self.who = "rank ?"
 
@@ -167,14 +236,15 @@ class RankConnection:
                 frame = self.ch.recv()
                 try:
                     self._dispatch(frame)
-                except BaseException:
+                finally:
                     frame.close_fds()
-                    raise
         except UnavailableError:
-            pass  # the rank exited or died: shards it handed over are still delivered
+            pass  # the rank exited or died: shards it had fully staged are still delivered
         except ProtocolError as e:
             log.warning("%s: %s", self.who, e)
         finally:
+            for staged in list(self._staging.values()):
+                staged.advance(failed=True)  # a shard its rank never finished staging must not go out
             self._snapshots.put(None)
 
     def _dispatch(self, frame: Frame) -> None:
@@ -184,20 +254,24 @@ class RankConnection:
                 raise ProtocolError("SNAPSHOT needs exactly one segment descriptor")
             try:
                 header = ShardHeader.from_body(frame.body.get("shard") or {})
+                view = self._maps.view(frame.fds[0], header.nbytes)
             except ProtocolError as e:
-                frame.close_fds()
                 self.reply_error(request_id, e)
                 return
             self.who = f"{header.job} rank {header.rank}"
-            self._snapshots.put((request_id, header, frame.fds.pop()))
+            staged = Staged(request_id, header, view, field_int(frame.body, "ready", 0, header.nbytes))
+            self._staging[request_id] = staged
+            self._snapshots.put(staged)
+        elif frame.kind == Kind.PROGRESS:
+            staged = self._staging.get(request_id)
+            if staged is not None:
+                failed = frame.body.get("failed") is True
+                staged.advance(None if failed else field_int(frame.body, "ready", 0, staged.header.nbytes), failed)
         elif frame.kind == Kind.RESTORE:
-            frame.close_fds()
             threading.Thread(target=self._restore, args=(request_id, frame.body), daemon=True).start()
         elif frame.kind == Kind.WAIT:
-            frame.close_fds()
             threading.Thread(target=self._wait, args=(request_id, frame.body), daemon=True).start()
         elif frame.kind == Kind.PING:
-            frame.close_fds()
             self.reply(request_id, {"pid": os.getpid()})
         else:
             raise ProtocolError(f"unexpected {frame.kind.name}")
@@ -205,26 +279,31 @@ class RankConnection:
     def _send_loop(self) -> None:
         client = self.agent.memd_client()
         try:
-            while (item := self._snapshots.get()) is not None:
-                request_id, header, fd = item
+            while (staged := self._snapshots.get()) is not None:
                 try:
-                    result = self._put_with_retry(client, header, fd)
-                    self.reply(request_id, {"committed": bool(result.get("committed")), "crc": result.get("crc")})
+                    result = self._put_with_retry(client, staged)
+                    self.reply(staged.request_id, {"committed": bool(result.get("committed")),
+                                                   "crc": result.get("crc")})
                 except DashError as e:
-                    self.agent.report_failure(header.job, e)
-                    self.reply_error(request_id, e)
+                    if not staged.failed:
+                        self.agent.report_failure(staged.header.job, e)
+                    self.reply_error(staged.request_id, e)
                 finally:
-                    os.close(fd)
+                    self._staging.pop(staged.request_id, None)
+                    staged.view.release()
         finally:
             client.close()
+            self._maps.close()
 
-    def _put_with_retry(self, client: MemdClient, header: ShardHeader, fd: int) -> dict[str, Any]:
+    def _put_with_retry(self, client: MemdClient, staged: Staged) -> dict[str, Any]:
         node = self.agent.config.node
         try:
-            return client.put_shard(header, fd, node=node)
+            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node)
         except UnavailableError:
+            if staged.failed:
+                raise
             # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
-            return client.put_shard(header, fd, node=node)
+            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node)
 
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:

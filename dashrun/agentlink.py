@@ -48,7 +48,7 @@ class AgentLink:
         """Send a request; the future resolves to the OK reply or fails with the agent's error."""
         future: concurrent.futures.Future[Frame] = concurrent.futures.Future()
         with self._lock:
-            request_id = next(self._ids)
+            request_id = future.request_id = next(self._ids)
             try:
                 if self._ch is None:
                     self._ch = self._connect()
@@ -59,6 +59,18 @@ class AgentLink:
                 self._drop(self._ch, e)
                 future.set_exception(e)
         return future
+
+    def notify(self, kind: Kind, body: dict[str, Any]) -> bool:
+        """Send a one-way message (no reply); False if the agent is unreachable (already reported)."""
+        with self._lock:
+            if self._ch is None:
+                return False
+            try:
+                self._ch.send(kind, body)
+                return True
+            except UnavailableError as e:
+                self._drop(self._ch, e)
+                return False
 
     def call(self, kind: Kind, body: dict[str, Any] | None = None, *, timeout: float) -> Frame:
         future = self.request(kind, body)

@@ -4,9 +4,10 @@ A :class:`Channel` sends and receives whole frames on a TCP or Unix stream
 socket. Receiving is two-phase: :meth:`Channel.recv` returns the header and
 the validated body, and the caller then decides where the data goes
 (:meth:`Channel.recv_data_into`), so a shard lands straight in its final
-buffer and a refused one is never allocated. Large data is sent with
-``sendfile`` from a file descriptor or from memoryviews, never copied in user
-space; the CRC-32C trailer is computed chunk by chunk as the bytes go out.
+buffer and a refused one is never allocated. Large data is sent straight
+from the caller's memoryviews (a shared-memory mapping, a RAM buffer), never
+copied in user space; the CRC-32C trailer is computed chunk by chunk as the
+bytes go out, while they are still in cache.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from __future__ import annotations
 import array
 import dataclasses
 import hmac
-import mmap
 import os
 import secrets
 import socket
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from dashrun import errors
 from dashrun.errors import AuthError, ProtocolError, UnavailableError
@@ -76,10 +76,12 @@ class Channel:
             self.sock.settimeout(left)
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        # shutdown first: a thread blocked in recv() on this socket would otherwise keep it open (no FIN sent).
+        for end in (lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):
+            try:
+                end()
+            except OSError:
+                pass
 
     def _recv_exact(self, view: memoryview) -> None:
         got, size = 0, len(view)
@@ -186,8 +188,13 @@ class Channel:
 
     def send(self, kind: Kind, body: dict[str, Any] | None = None, *,
              data: Iterable[memoryview | bytes] | None = None, fds: Sequence[int] = (),
-             crc: int | None = None) -> None:
-        """Send a frame. ``data`` is sent as it is (no copy); ``crc`` skips recomputing a known checksum."""
+             crc: int | None = None, gate: Callable[[int], None] | None = None) -> None:
+        """Send a frame; ``data`` goes out as it is, from the caller's memory (no copy in user space).
+
+        ``crc`` skips recomputing a known checksum. ``gate(end)`` is called before
+        each chunk with the data offset the chunk ends at, and returns once those
+        bytes are final: a shard can stream while its rank is still staging it.
+        """
         parts = [memoryview(p).cast("B") for p in data] if data is not None else []
         data_len = sum(len(p) for p in parts)
         encoded = encode_body(body)
@@ -203,53 +210,18 @@ class Channel:
             self._sendall(head)
         if not data_len:
             return
-        running = 0
+        running, offset = 0, 0
         for part in parts:
             for start in range(0, len(part), CHUNK):
                 piece = part[start:start + CHUNK]
+                offset += len(piece)
+                if gate is not None:
+                    gate(offset)
                 if crc is None:
                     running = crc32c(piece, running)
                 self._sendall(piece)
                 crash_point("channel.mid_data")
         self._sendall(TRAILER.pack(crc if crc is not None else running))
-
-    def send_fd_range(self, kind: Kind, body: dict[str, Any], fd: int, offset: int, length: int) -> int:
-        """Send ``length`` bytes of file ``fd`` from ``offset`` as the frame's data with sendfile.
-
-        The CRC-32C is computed from a read-only mapping of the same range,
-        one chunk ahead of the kernel copy. Returns it.
-        """
-        encoded = encode_body(body)
-        self._sendall(encode_header(kind, encoded, length) + encoded)
-        if not length:
-            return 0
-        page = mmap.ALLOCATIONGRANULARITY
-        base = offset - offset % page
-        with mmap.mmap(fd, length + offset - base, prot=mmap.PROT_READ, offset=base) as mapped:
-            view = memoryview(mapped)[offset - base:]
-            crc = 0
-            try:
-                for start in range(0, length, CHUNK):
-                    end = min(start + CHUNK, length)
-                    crc = crc32c(view[start:end], crc)
-                    self._sendfile(fd, offset + start, end - start)
-                    crash_point("channel.mid_data")
-            finally:
-                view.release()
-        self._sendall(TRAILER.pack(crc))
-        return crc
-
-    def _sendfile(self, fd: int, offset: int, count: int) -> None:
-        # socket.sendfile() copes with socket timeouts (non-blocking mode) via a selector.
-        with os.fdopen(os.dup(fd), "rb", buffering=0) as file:
-            try:
-                sent = self.sock.sendfile(file, offset, count)
-            except socket.timeout:
-                raise UnavailableError("peer stopped reading (timed out)") from None
-            except OSError as e:
-                raise UnavailableError(f"connection lost: {e.strerror or e}") from None
-        if sent != count:
-            raise UnavailableError("connection closed during transfer")
 
     # --- request / reply ------------------------------------------------------
 

@@ -56,6 +56,9 @@ META_FORMAT = 1
 RESTORE_TIMEOUT = 120.0
 #: How long save(force=True) waits for a buffer before giving up on the snapshot.
 FORCED_SAVE_TIMEOUT = 120.0
+#: The background copy works in pieces of this size, and tells the agent its progress about this often.
+PIECE = 16 << 20
+PROGRESS_EVERY = 16 << 20
 
 
 @dataclasses.dataclass
@@ -84,6 +87,9 @@ class SharedBuffer:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), capacity, 0)
             self._pinned = int(err) == 0
 
+    def write(self, offset: int, data: bytes) -> None:
+        self._map[offset:offset + len(data)] = data
+
     def close(self) -> None:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
@@ -100,7 +106,8 @@ class Snapshot:
     step: int
     header: ShardHeader
     buffer: SharedBuffer
-    deferred: list[tuple[Any, int, int, torch.Tensor]]  # (leaf, first byte, end byte, destination)
+    # Copies left for the stager, in shard order: (leaf, first byte, end byte, destination, shard offset).
+    deferred: list[tuple[Any, int, int, torch.Tensor, int]]
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     handed: threading.Event = dataclasses.field(default_factory=threading.Event)  # result is set (or failed)
     awaited: bool = False  # the optimizer hook has waited for the copy
@@ -117,7 +124,10 @@ def _split(total: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def capture_rng() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    version, internal, gauss = random.getstate()
+    # 625 integers as one tensor, not 625 JSON numbers: this runs inside save().
+    state: dict[str, Any] = {"python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
+                             "torch": torch.get_rng_state()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state["numpy"] = numpy.random.get_state()
@@ -129,7 +139,7 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     if "python" in state:
         version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
+        random.setstate((version, tuple(internal.tolist()), gauss))
     if "torch" in state:
         torch.set_rng_state(state["torch"].cpu())
     if "numpy" in state and sys.modules.get("numpy") is not None:
@@ -249,7 +259,14 @@ class Checkpointer:
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1
-        self._stager.submit(self._stage_and_hand_over, snapshot)
+        # Hand the segment over now: the agent streams each piece as soon as the stager reports it done.
+        ready = snapshot.deferred[0][4] if snapshot.deferred else snapshot.header.nbytes
+        snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body(), "ready": ready},
+                                             fds=[snapshot.buffer.fd])
+        snapshot.handed.set()
+        crash_point("rank.handoff", rank=self.rank, step=step)
+        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f.exception()))
+        self._stager.submit(self._stage, snapshot)
         stall = time.perf_counter() - started
         self.stats.stall_s += stall
         self.stats.last_stall_s = stall
@@ -299,12 +316,14 @@ class Checkpointer:
         rep_json = json.dumps(rep_desc, separators=(",", ":"), sort_keys=True).encode()
         priv_tree, priv_leaves = statetree.flatten(private)
         priv_offsets, priv_len = statetree.plan(priv_leaves)
+        # Every rank holds the same description of the replicated state; rank 0 carries it (spliced in
+        # as already encoded: this all runs inside save()).
         meta = json.dumps({
-            "format": META_FORMAT, "step": step, "rank": self.rank, "world": self.world,
-            # Every rank holds the same description of the replicated state; rank 0 carries it.
-            "replicated": rep_desc if self.rank == 0 else None,
+            "format": META_FORMAT, "step": step, "rank": self.rank, "world": self.world, "replicated": None,
             "private": {"tree": priv_tree, "tensors": statetree.describe(priv_leaves, priv_offsets)},
         }, separators=(",", ":")).encode()
+        if self.rank == 0:
+            meta = meta.replace(b'"replicated":null', b'"replicated":' + rep_json, 1)
 
         rep_start, rep_end = _split(rep_total, self.rank, self.world)
         rep_len = rep_end - rep_start
@@ -319,15 +338,18 @@ class Checkpointer:
             first, end = max(offset, rep_start), min(offset + statetree.nbytes_of(leaf), rep_end)
             if first >= end:
                 continue
-            destination = stage[first - rep_start:end - rep_start]
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() in stable:
-                deferred.append((leaf, first - offset, end - offset, destination))
+                # Pieces, so that the agent can start streaming before a big tensor is copied whole.
+                for piece in range(first, end, PIECE):
+                    piece_end = min(piece + PIECE, end)
+                    deferred.append((leaf, piece - offset, piece_end - offset,
+                                     stage[piece - rep_start:piece_end - rep_start], piece - rep_start))
             else:  # may change before the next optimizer.step(): copy now
-                destination.copy_(statetree.byte_view(leaf)[first - offset:end - offset])
+                stage[first - rep_start:end - rep_start].copy_(statetree.byte_view(leaf)[first - offset:end - offset])
         for leaf, offset in zip(priv_leaves, priv_offsets):
             size = statetree.nbytes_of(leaf)
             stage[rep_len + offset:rep_len + offset + size].copy_(statetree.byte_view(leaf))
-        stage[rep_len + priv_len:nbytes].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        buffer.write(rep_len + priv_len, meta)
 
         header = ShardHeader(
             job=self.job_id, step=step, rank=self.rank, world=self.world, rep_total=rep_total,
@@ -341,28 +363,31 @@ class Checkpointer:
             snapshot.gpu_ready.record(torch.cuda.current_stream())
         return snapshot
 
-    def _stage_and_hand_over(self, snapshot: Snapshot) -> None:
+    def _stage(self, snapshot: Snapshot) -> None:
+        """The background copy; tells the agent how far it got, so the transfer overlaps it."""
+        request_id = snapshot.result.request_id
         try:
             if snapshot.gpu_done is not None:
                 self._stage_cuda(snapshot)
+                snapshot.gpu_done.synchronize()  # bytes in host memory before the agent reads them
             else:
-                for index, (leaf, first, end, destination) in enumerate(snapshot.deferred):
+                reported = 0
+                for index, (leaf, first, end, destination, _) in enumerate(snapshot.deferred):
                     if index == len(snapshot.deferred) // 2:
                         crash_point("rank.staging", rank=self.rank, step=snapshot.step)
                     destination.copy_(statetree.byte_view(leaf)[first:end])
+                    ready = snapshot.deferred[index + 1][4] if index + 1 < len(snapshot.deferred) else None
+                    if ready is not None and ready - reported >= PROGRESS_EVERY:
+                        self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": ready})
+                        reported = ready
         except BaseException as e:
             snapshot.copied.set()
-            snapshot.handed.set()
-            self._release(snapshot, e)
+            self._link.notify(Kind.PROGRESS, {"id": request_id, "failed": True})
+            log.error("dashrun: staging the checkpoint of step %d failed: %s", snapshot.step, e)
             return
         snapshot.copied.set()
-        if snapshot.gpu_done is not None:
-            snapshot.gpu_done.synchronize()  # bytes in host memory before the agent reads them
-        snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body()},
-                                             fds=[snapshot.buffer.fd])
-        snapshot.handed.set()
-        crash_point("rank.handoff", rank=self.rank, step=snapshot.step)
-        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f.exception()))
+        if snapshot.deferred:
+            self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": snapshot.header.nbytes})
 
     def _stage_cuda(self, snapshot: Snapshot) -> None:
         if self._side_stream is None:
@@ -370,9 +395,10 @@ class Checkpointer:
         stream = self._side_stream
         with torch.cuda.stream(stream):
             stream.wait_event(snapshot.gpu_ready)
-            for leaf, first, end, destination in snapshot.deferred:
+            for leaf, first, end, destination, _ in snapshot.deferred:
                 destination.copy_(statetree.byte_view(leaf)[first:end], non_blocking=True)
             snapshot.gpu_done.record(stream)
+        snapshot.copied.set()  # enqueued: the compute stream waits for gpu_done on the GPU
 
     def _release(self, snapshot: Snapshot, error: BaseException | None) -> None:
         with self._cond:

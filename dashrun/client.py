@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dashrun.channel import Channel, client_handshake
 from dashrun.errors import ProtocolError, UnavailableError
@@ -74,18 +74,15 @@ class MemdClient:
     def ping(self) -> dict[str, Any]:
         return self._request(lambda ch: ch.call(Kind.PING).body)
 
-    def put_shard(self, header: ShardHeader, fd: int, offset: int = 0, node: str | None = None) -> dict[str, Any]:
-        """Send a shard staged in file ``fd`` at ``offset``; returns {committed, crc} once it is stored."""
+    def put_shard(self, header: ShardHeader, parts: Sequence[memoryview | bytes], *,
+                  gate: Callable[[int], None] | None = None, node: str | None = None) -> dict[str, Any]:
+        """Send a shard's bytes (``parts``, in order); returns {committed, crc} once dash-memd stored them.
+
+        ``gate`` lets the bytes stream while they are still being staged (see Channel.send).
+        """
         def run(ch: Channel):
             ch.call(Kind.PUT_SHARD, {**header.to_body(), "node": node})
-            ch.send_fd_range(Kind.SHARD_DATA, {}, fd, offset, header.nbytes)
-            return ch.expect_reply().body
-        return self._request(run)
-
-    def put_shard_bytes(self, header: ShardHeader, parts: Sequence[memoryview | bytes]) -> dict[str, Any]:
-        def run(ch: Channel):
-            ch.call(Kind.PUT_SHARD, header.to_body())
-            ch.send(Kind.SHARD_DATA, {}, data=parts)
+            ch.send(Kind.SHARD_DATA, {}, data=parts, gate=gate)
             return ch.expect_reply().body
         return self._request(run)
 

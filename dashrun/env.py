@@ -33,10 +33,14 @@ DATA_DIR = Var("DASH_DATA_DIR", "dash-memd's disk tier directory", "user", "dash
 MEMORY_LIMIT = Var("DASH_MEMORY_LIMIT", "bytes of checkpoint data dash-memd may hold in RAM", "user", "dash-memd")
 KEEP_RAM = Var("DASH_KEEP_RAM", "committed checkpoints per job kept in RAM", "user", "dash-memd")
 KEEP_DISK = Var("DASH_KEEP_DISK", "committed checkpoints per job kept on disk", "user", "dash-memd")
+HOSTFILE = Var("DASH_HOSTFILE", "hostfile ('HOST slots=N' per line): start dashrun on each host over SSH", "user",
+               "dashrun")
+SSH_CONFIG = Var("DASH_SSH_CONFIG", "OpenSSH client config for --hostfile (default ~/.ssh/config)", "user", "dashrun")
+REMOTE_PYTHON = Var("DASH_REMOTE_PYTHON", "Python that runs dashrun on the hosts of --hostfile", "user", "dashrun")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.faults)", "tests", "all")
 
 ALL: tuple[Var, ...] = (MEMD, TOKEN_FILE, JOB_ID, FRESH, AGENT_SOCKET, LISTEN, DATA_DIR, MEMORY_LIMIT, KEEP_RAM, KEEP_DISK,
-                        CRASH_AT)
+                        HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, CRASH_AT)
 
 
 def get(var: Var, default: str | None = None) -> str | None:

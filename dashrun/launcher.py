@@ -78,6 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: derived from the script's absolute path and its arguments).")
     group.add_argument("--fresh", action="store_true", default=env.get(env.FRESH, "0") == "1",
                        help=f"delete the job's earlier checkpoints and start from step 0 (env {env.FRESH.name}=1).")
+    group.add_argument("--hostfile", default=env.get(env.HOSTFILE), metavar="FILE",
+                       help=f"start dashrun on every host of FILE ('HOST slots=N' per line) over SSH, with "
+                            f"--nnodes, --nproc-per-node and a c10d rendezvous on the first host decided for each "
+                            f"(env {env.HOSTFILE.name}).")
+    group.add_argument("--ssh-config", "--ssh_config", default=env.get(env.SSH_CONFIG), metavar="FILE",
+                       help=f"OpenSSH client config for --hostfile: HostName, Port, User, IdentityFile, "
+                            f"UserKnownHostsFile (env {env.SSH_CONFIG.name}; default ~/.ssh/config).")
+    group.add_argument("--remote-python", "--remote_python", default=env.get(env.REMOTE_PYTHON), metavar="PATH",
+                       help=f"Python that runs dashrun on the hosts of --hostfile (env {env.REMOTE_PYTHON.name}; "
+                            "default: this one's path).")
     return parser
 
 
@@ -246,9 +256,14 @@ def launch(argv: list[str], overrides: dict | None = None) -> int:
     ``overrides`` replace parsed options (``dashrun resume`` points a stored
     command line at this node's dash-memd).
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     for name, value in (overrides or {}).items():
         setattr(args, name, value)
+    if args.hostfile:
+        from dashrun import hosts
+
+        return hosts.run(hosts.config_from_args(argv, args, parser))
     options = options_from_args(args)
     apply_torchrun_defaults(args)
 

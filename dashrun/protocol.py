@@ -80,8 +80,9 @@ class Kind(enum.IntEnum):
     GET_SPEC = 24
     DELETE = 25         # forget checkpoints of a job (all, or all but the newest N)
     # rank <-> dash-agent, over the node's Unix socket
-    SNAPSHOT = 32       # a staged shard in a shared-memory segment (fd attached)
+    SNAPSHOT = 32       # a shard in a shared-memory segment (fd attached), possibly still being staged
     RESTORE = 33        # fetch the newest committed checkpoint into shared memory
+    PROGRESS = 34       # how much of a SNAPSHOT is staged now (one-way; "failed" aborts it)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,7 +95,7 @@ def test_reads_fall_back_to_disk_after_eviction(tmp_path):
 
 
 def test_full_ram_refuses_only_what_cannot_fit_safely(tmp_path):
-    cat = Catalogue(RamTier(20_000), DiskTier(tmp_path / "d"), keep_ram=5, keep_disk=5)
+    cat = Catalogue(RamTier(40_000), DiskTier(tmp_path / "d"), keep_ram=5, keep_disk=5)  # 2 checkpoints fit
     for header in headers(step=1, rep_total=8192):   # ~8 KiB in RAM, not yet on disk
         deliver(cat, header)
     for header in headers(step=2, rep_total=8192):

@@ -245,7 +245,7 @@ def test_a_shard_handed_over_is_delivered_even_if_its_rank_dies(stack, short_tmp
     os.write(fd, payload)
     header = ShardHeader("handoff", 3, 0, 1, 2000, 0, 2000, 900, 100, "ab" * 32)
     link = AgentLink(str(agent.socket_path))
-    link.request(Kind.SNAPSHOT, {"shard": header.to_body()}, fds=[fd])
+    link.request(Kind.SNAPSHOT, {"shard": header.to_body(), "ready": header.nbytes}, fds=[fd])  # fully staged
     os.close(fd)
     link.close()  # the rank is gone before the agent answered
     with memd.client() as client:
@@ -253,6 +253,22 @@ def test_a_shard_handed_over_is_delivered_even_if_its_rank_dies(stack, short_tmp
         buf = bytearray(3000)
         client.get_shard_into("handoff", 3, 0, [memoryview(buf)])
     assert info.step == 3 and bytes(buf) == payload
+
+
+def test_a_shard_whose_rank_dies_while_staging_is_never_sent_whole(stack):
+    memd, agent = stack
+    fd = os.memfd_create("test-shard")
+    os.ftruncate(fd, 3000)
+    header = ShardHeader("half", 3, 0, 1, 2000, 0, 2000, 900, 100, "ab" * 32)
+    link = AgentLink(str(agent.socket_path))
+    done = link.request(Kind.SNAPSHOT, {"shard": header.to_body(), "ready": 0}, fds=[fd])
+    link.notify(Kind.PROGRESS, {"id": done.request_id, "ready": 1000})
+    os.close(fd)
+    link.close()  # the rank dies with 2000 of its 3000 bytes unstaged
+    with memd.client() as client:
+        wait_for(lambda: "half step 3: receiving" in memd.log() and client.list()["memory"]["used"] == 0, 30,
+                 "the agent to stream what was staged, then abandon the shard")
+        assert client.latest("half") is None
 
 
 def test_restore_image_is_fetched_once_per_node(stack, rank_env):

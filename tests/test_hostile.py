@@ -204,7 +204,7 @@ def store(client: MemdClient, job: str, step: int, world: int = 2, rep_total: in
     for header in headers(job, step, world, rep_total, tail):
         payload = rng.randbytes(header.nbytes)
         payloads[header.rank] = payload
-        client.put_shard_bytes(header, [payload])
+        client.put_shard(header, [payload])
     return payloads
 
 
@@ -528,7 +528,7 @@ def test_truncated_frames_leave_nothing_behind(memd_factory):
 
         # Two ranks: rank 0 arrives whole, rank 1 is cut off: the checkpoint is not committed.
         rank0, rank1 = headers("cut2", step=3, world=2, rep_total=1 * MiB)
-        client.put_shard_bytes(rank0, [bytes(rank0.nbytes)])
+        client.put_shard(rank0, [bytes(rank0.nbytes)])
         put_truncated_shard(memd, rank1, data_start + rank1.nbytes // 2)
         assert client.latest("cut2") is None
         assert not client.wait("cut2", 3, timeout=0.0)

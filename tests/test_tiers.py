@@ -1,4 +1,4 @@
-"""One conformance suite, run against every tier (RAM, disk)."""
+"""One conformance suite, run against every tier (RAM, disk, object storage)."""
 
 import os
 import time
@@ -6,8 +6,11 @@ import time
 import pytest
 
 from dashrun.errors import NotFoundError
+from dashrun.memd.objecttier import ObjectTier
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.protocol import CheckpointInfo, ShardHeader, crc32c
+
+pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 
 LAYOUT = "cd" * 32
 
@@ -77,15 +80,21 @@ class TestRamTier(TierConformance):
         return RamTier(64 << 20)
 
     def test_buffers_are_reused_and_the_limit_holds(self):
-        ram = RamTier(10_000)
-        first = ram.reserve(6000)
-        assert ram.reserve(6000) is None
+        ram = RamTier(20_000)
+        first = ram.reserve(12_000)
+        assert len(first) == RamTier.size_class(12_000) >= 12_000
+        assert ram.reserve(12_000) is None
         ram.release(first)
-        again = ram.reserve(6000)
-        assert again is first  # same mapping: touched pages are reused
+        again = ram.reserve(12_001)  # same size class: the same mapping, its touched pages reused
+        assert again is first
         ram.release(again)
-        other = ram.reserve(8000)  # the pooled 6000 goes back to the OS to make room
-        assert other is not None and ram.used == 8000
+        other = ram.reserve(16_000)  # the pooled buffer goes back to the OS to make room
+        assert other is not None and ram.used == RamTier.size_class(16_000)
+
+    def test_size_classes_waste_little(self):
+        for nbytes in (1, 4095, 4097, 65303, 65304, 1 << 20, (256 << 20) + 12345, 10 << 30):
+            size = RamTier.size_class(nbytes)
+            assert nbytes <= size <= max(nbytes + 4096, nbytes * 1.07)
 
 
 class TestDiskTier(TierConformance):
@@ -111,14 +120,18 @@ class TestDiskTier(TierConformance):
             f.write(bytes([byte[0] ^ 0xFF]))
         (disk.step_dir("job-a", 3) / "rank-00002.bin").unlink()
         (disk.step_dir("job-a", 4) / "MANIFEST.json").write_text("{not json")
-        leftover = disk.jobs / "job-a" / ".tmp-0000000000000005-deadbeef"
+        info, data = make_checkpoint(step=5)
+        disk.put(info, [memoryview(d) for d in data])
+        manifest = disk.step_dir("job-a", 5) / "MANIFEST.json"
+        manifest.write_text(manifest.read_text().replace('"world": 3', '"world": 0'))  # valid JSON, invalid manifest
+        leftover = disk.jobs / "job-a" / ".tmp-0000000000000006-deadbeef"
         leftover.mkdir()
         found, problems = DiskTier(tmp_path / "d").scan_report()
         assert [i.step for i in found] == [1]
         text = "\n".join(problems)
         assert "0000000000000002: corrupt" in text and "checksum" in text
         assert "0000000000000003: incomplete" in text
-        assert "0000000000000004: corrupt" in text
+        assert "0000000000000004: corrupt" in text and "0000000000000005: corrupt" in text
         assert "interrupted write" in text and not leftover.exists()
 
     def test_files_are_owner_only(self, tmp_path):
@@ -126,3 +139,13 @@ class TestDiskTier(TierConformance):
         info, data = make_checkpoint()
         disk.put(info, [memoryview(d) for d in data])
         assert oct(os.stat(disk.step_dir(info.job, info.step) / "rank-00000.bin").st_mode & 0o777) == "0o600"
+
+
+class TestObjectTier(TierConformance):
+    """Against a real S3 API (moto's server, a process on loopback), through the standard AWS chain."""
+
+    @pytest.fixture
+    def tier(self, s3_bucket):
+        tier = ObjectTier(s3_bucket.url("ckpt"))
+        yield tier
+        tier.close()

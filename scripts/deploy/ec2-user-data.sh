@@ -1,0 +1,23 @@
+#!/bin/bash
+# EC2 user data for a replacement Spot node: install dashrun, then resume the job where dash-memd
+# says it stands. The launch template's AMI carries the training code at the same path as on the
+# node that started the job (dash-memd stores the working directory and the command line).
+#
+# Fill in: the address of the stable VM, where the token comes from, and the job id.
+set -euo pipefail
+MEMD=10.0.0.5:7070
+JOB_ID=gpt-1
+TOKEN_FILE=/etc/dash/token
+
+mkdir -p /etc/dash
+# The token: from a secret store, never baked into the AMI, e.g.
+#   aws secretsmanager get-secret-value --secret-id dash-token --query SecretString --output text
+aws secretsmanager get-secret-value --secret-id dash-token --query SecretString --output text > "$TOKEN_FILE"
+chmod 600 "$TOKEN_FILE"
+
+# dashrun needs the torch the AMI provides; pip keeps it and installs the rest.
+python3 -m pip install --quiet dashrun
+
+# Relaunch the job as it was launched; it resumes from the newest committed checkpoint.
+# Exit 75 means preempted again with the state safe: the next replacement resumes it.
+exec dashrun resume --memd "$MEMD" --token-file "$TOKEN_FILE" --job-id "$JOB_ID"

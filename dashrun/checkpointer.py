@@ -57,8 +57,8 @@ RESTORE_TIMEOUT = 120.0
 #: How long save(force=True) waits for a buffer before giving up on the snapshot.
 FORCED_SAVE_TIMEOUT = 120.0
 #: The background copy works in pieces of this size, and tells the agent its progress about this often.
-PIECE = 16 << 20
-PROGRESS_EVERY = 16 << 20
+PIECE = 8 << 20
+PROGRESS_EVERY = 8 << 20
 
 
 @dataclasses.dataclass
@@ -103,11 +103,18 @@ class SharedBuffer:
 
 @dataclasses.dataclass
 class Snapshot:
+    """One checkpoint of this rank, from ``save()`` (capture) through the stager to dash-memd."""
+
     step: int
-    header: ShardHeader
-    buffer: SharedBuffer
-    # Copies left for the stager, in shard order: (leaf, first byte, end byte, destination, shard offset).
-    deferred: list[tuple[Any, int, int, torch.Tensor, int]]
+    buffer_index: int
+    # What save() captured: trees with leaf indices, and leaves; leaves that could change before the next
+    # optimizer.step() are already private copies, the others (parameters, optimizer state) still live.
+    rep_tree: Any
+    rep_leaves: list[Any]
+    priv_tree: Any
+    priv_leaves: list[Any]
+    header: ShardHeader | None = None
+    buffer: SharedBuffer | None = None
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     handed: threading.Event = dataclasses.field(default_factory=threading.Event)  # result is set (or failed)
     awaited: bool = False  # the optimizer hook has waited for the copy
@@ -131,7 +138,7 @@ def capture_rng() -> dict[str, Any]:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state["numpy"] = numpy.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (is_available() is slow, and an uninitialised CUDA has no RNG in use)
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -220,6 +227,7 @@ class Checkpointer:
                         env.AGENT_SOCKET.name if not self._socket else env.JOB_ID.name)
         self._link = AgentLink(self._socket) if self.enabled else None
         self._buffers: list[SharedBuffer | None] = [None, None]
+        self._reserved: set[int] = set()         # buffers save() gave to a snapshot the stager has not laid out
         self._cond = threading.Condition()
         self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashrun-stage")
         self._current: Snapshot | None = None    # the newest snapshot handed to the stager
@@ -234,7 +242,8 @@ class Checkpointer:
     def save(self, step: int, force: bool = False) -> bool:
         """Snapshot the state after ``step`` if due (or forced); returns True if a snapshot started.
 
-        Returns at once: the bulk copy and the transfer happen in the background.
+        Returns at once: it only captures what could change before the next
+        ``optimizer.step()``; laying out, copying and sending happen on the stager.
         """
         if not self.enabled:
             return False
@@ -250,22 +259,10 @@ class Checkpointer:
             self._report("skipped", f"checkpoint of step {step} skipped: the previous two are still on their way "
                                     "to dash-memd (raise the interval, or check the network to dash-memd)")
             return False
-        try:
-            snapshot = self._build(step, buffer_index)
-        except BaseException:
-            with self._cond:
-                self._buffers[buffer_index].busy = False
-            raise
+        snapshot = self._capture(step, buffer_index)
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1
-        # Hand the segment over now: the agent streams each piece as soon as the stager reports it done.
-        ready = snapshot.deferred[0][4] if snapshot.deferred else snapshot.header.nbytes
-        snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body(), "ready": ready},
-                                             fds=[snapshot.buffer.fd])
-        snapshot.handed.set()
-        crash_point("rank.handoff", rank=self.rank, step=step)
-        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f.exception()))
         self._stager.submit(self._stage, snapshot)
         stall = time.perf_counter() - started
         self.stats.stall_s += stall
@@ -273,13 +270,18 @@ class Checkpointer:
         return True
 
     def _free_buffer(self, wait: bool) -> int | None:
+        """Reserve a staging buffer that dash-memd is done with (waiting for one only if ``wait``)."""
         def free() -> int | None:
-            return next((i for i, b in enumerate(self._buffers) if b is None or not b.busy), None)
+            return next((i for i, b in enumerate(self._buffers)
+                         if (b is None or not b.busy) and i not in self._reserved), None)
 
         with self._cond:
             if wait:
                 self._cond.wait_for(lambda: free() is not None, timeout=FORCED_SAVE_TIMEOUT)
-            return free()
+            index = free()
+            if index is not None:
+                self._reserved.add(index)
+            return index
 
     def _buffer(self, index: int, nbytes: int) -> SharedBuffer:
         buffer = self._buffers[index]
@@ -290,6 +292,7 @@ class Checkpointer:
             buffer = SharedBuffer(nbytes + max(nbytes // 64, 1 << 20))
             self._buffers[index] = buffer
         buffer.busy = True
+        self._reserved.discard(index)
         return buffer
 
     def _stable_storages(self) -> set[int]:
@@ -305,98 +308,114 @@ class Checkpointer:
         stable.discard(0)
         return stable
 
-    def _build(self, step: int, buffer_index: int) -> Snapshot:
+    def _capture(self, step: int, buffer_index: int) -> Snapshot:
+        """The synchronous part of save(): state dicts, RNG, and private copies of what may change soon."""
         replicated = {name: obj.state_dict() for name, obj in self.objects.items() if name not in self.per_rank}
         private = {name: self.objects[name].state_dict() for name in sorted(self.per_rank)}
         private["$rng"] = capture_rng()
-
         rep_tree, rep_leaves = statetree.flatten(replicated)
-        rep_offsets, rep_total = statetree.plan(rep_leaves)
-        rep_desc = {"tree": rep_tree, "tensors": statetree.describe(rep_leaves, rep_offsets), "total": rep_total}
-        rep_json = json.dumps(rep_desc, separators=(",", ":"), sort_keys=True).encode()
         priv_tree, priv_leaves = statetree.flatten(private)
-        priv_offsets, priv_len = statetree.plan(priv_leaves)
-        # Every rank holds the same description of the replicated state; rank 0 carries it (spliced in
-        # as already encoded: this all runs inside save()).
-        meta = json.dumps({
-            "format": META_FORMAT, "step": step, "rank": self.rank, "world": self.world, "replicated": None,
-            "private": {"tree": priv_tree, "tensors": statetree.describe(priv_leaves, priv_offsets)},
-        }, separators=(",", ":")).encode()
-        if self.rank == 0:
-            meta = meta.replace(b'"replicated":null', b'"replicated":' + rep_json, 1)
-
-        rep_start, rep_end = _split(rep_total, self.rank, self.world)
-        rep_len = rep_end - rep_start
-        nbytes = rep_len + priv_len + len(meta)
-        with self._cond:
-            buffer = self._buffer(buffer_index, nbytes)
-        stage = buffer.tensor
-
         stable = self._stable_storages()
-        deferred = []
-        for leaf, offset in zip(rep_leaves, rep_offsets):
-            first, end = max(offset, rep_start), min(offset + statetree.nbytes_of(leaf), rep_end)
-            if first >= end:
-                continue
-            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() in stable:
-                # Pieces, so that the agent can start streaming before a big tensor is copied whole.
-                for piece in range(first, end, PIECE):
-                    piece_end = min(piece + PIECE, end)
-                    deferred.append((leaf, piece - offset, piece_end - offset,
-                                     stage[piece - rep_start:piece_end - rep_start], piece - rep_start))
-            else:  # may change before the next optimizer.step(): copy now
-                stage[first - rep_start:end - rep_start].copy_(statetree.byte_view(leaf)[first - offset:end - offset])
-        for leaf, offset in zip(priv_leaves, priv_offsets):
-            size = statetree.nbytes_of(leaf)
-            stage[rep_len + offset:rep_len + offset + size].copy_(statetree.byte_view(leaf))
-        buffer.write(rep_len + priv_len, meta)
 
-        header = ShardHeader(
-            job=self.job_id, step=step, rank=self.rank, world=self.world, rep_total=rep_total,
-            rep_start=rep_start, rep_end=rep_end, private_len=priv_len, meta_len=len(meta),
-            layout=hashlib.sha256(rep_json).hexdigest())
-        snapshot = Snapshot(step, header, buffer, deferred)
-        if any(leaf.is_cuda for leaf, *_ in deferred):
+        def settled(leaf):  # module buffers change in forward, for example: copy them now
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in stable:
+                return leaf.detach().clone()
+            return leaf
+
+        snapshot = Snapshot(step, buffer_index, rep_tree, [settled(x) for x in rep_leaves],
+                            priv_tree, [settled(x) for x in priv_leaves])
+        if any(isinstance(x, torch.Tensor) and x.is_cuda for x in snapshot.rep_leaves):
             # The side stream starts after the optimizer step that produced this state.
             snapshot.gpu_done = torch.cuda.Event()
             snapshot.gpu_ready = torch.cuda.Event()
             snapshot.gpu_ready.record(torch.cuda.current_stream())
         return snapshot
 
+    def _layout(self, snapshot: Snapshot) -> list[tuple[Any, int, int, int]]:
+        """Describe the shard, put it in a buffer, return its copies: (leaf, first, end, shard offset)."""
+        rep_offsets, rep_total = statetree.plan(snapshot.rep_leaves)
+        rep_desc = {"tree": snapshot.rep_tree, "tensors": statetree.describe(snapshot.rep_leaves, rep_offsets),
+                    "total": rep_total}
+        rep_json = json.dumps(rep_desc, separators=(",", ":"), sort_keys=True).encode()
+        priv_offsets, priv_len = statetree.plan(snapshot.priv_leaves)
+        # Every rank holds the same description of the replicated state; rank 0 carries it.
+        meta = json.dumps({
+            "format": META_FORMAT, "step": snapshot.step, "rank": self.rank, "world": self.world,
+            "replicated": None,
+            "private": {"tree": snapshot.priv_tree, "tensors": statetree.describe(snapshot.priv_leaves, priv_offsets)},
+        }, separators=(",", ":")).encode()
+        if self.rank == 0:
+            meta = meta.replace(b'"replicated":null', b'"replicated":' + rep_json, 1)
+        rep_start, rep_end = _split(rep_total, self.rank, self.world)
+        rep_len = rep_end - rep_start
+        snapshot.header = ShardHeader(
+            job=self.job_id, step=snapshot.step, rank=self.rank, world=self.world, rep_total=rep_total,
+            rep_start=rep_start, rep_end=rep_end, private_len=priv_len, meta_len=len(meta),
+            layout=hashlib.sha256(rep_json).hexdigest())
+        with self._cond:
+            snapshot.buffer = self._buffer(snapshot.buffer_index, snapshot.header.nbytes)
+        snapshot.buffer.write(rep_len + priv_len, meta)
+
+        copies = []
+        for leaf, offset in zip(snapshot.rep_leaves, rep_offsets):
+            first, end = max(offset, rep_start), min(offset + statetree.nbytes_of(leaf), rep_end)
+            # Pieces, so that the agent can start streaming before a big tensor is copied whole.
+            for piece in range(first, end, PIECE):
+                copies.append((leaf, piece - offset, min(piece + PIECE, end) - offset, piece - rep_start))
+        for leaf, offset in zip(snapshot.priv_leaves, priv_offsets):
+            copies.append((leaf, 0, statetree.nbytes_of(leaf), rep_len + offset))
+        return copies
+
     def _stage(self, snapshot: Snapshot) -> None:
-        """The background copy; tells the agent how far it got, so the transfer overlaps it."""
+        """The stager: lay out, hand the segment to the agent, copy; the agent streams what is done."""
+        try:
+            copies = self._layout(snapshot)
+        except BaseException as e:
+            with self._cond:
+                self._reserved.discard(snapshot.buffer_index)
+                self._cond.notify_all()
+            snapshot.copied.set()
+            snapshot.handed.set()
+            log.error("dashrun: the checkpoint of step %d cannot be staged: %s", snapshot.step, e)
+            return
+        snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body(), "ready": 0},
+                                             fds=[snapshot.buffer.fd])
+        snapshot.handed.set()
+        crash_point("rank.handoff", rank=self.rank, step=snapshot.step)
+        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f.exception()))
         request_id = snapshot.result.request_id
+        stage = snapshot.buffer.tensor
         try:
             if snapshot.gpu_done is not None:
-                self._stage_cuda(snapshot)
+                self._stage_cuda(snapshot, copies)
                 snapshot.gpu_done.synchronize()  # bytes in host memory before the agent reads them
             else:
                 reported = 0
-                for index, (leaf, first, end, destination, _) in enumerate(snapshot.deferred):
-                    if index == len(snapshot.deferred) // 2:
+                for index, (leaf, first, end, offset) in enumerate(copies):
+                    if index == len(copies) // 2:
                         crash_point("rank.staging", rank=self.rank, step=snapshot.step)
-                    destination.copy_(statetree.byte_view(leaf)[first:end])
-                    ready = snapshot.deferred[index + 1][4] if index + 1 < len(snapshot.deferred) else None
-                    if ready is not None and ready - reported >= PROGRESS_EVERY:
-                        self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": ready})
-                        reported = ready
+                    stage[offset:offset + end - first].copy_(statetree.byte_view(leaf)[first:end])
+                    done = offset + end - first
+                    if done - reported >= PROGRESS_EVERY and index + 1 < len(copies):
+                        self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": done})
+                        reported = done
         except BaseException as e:
             snapshot.copied.set()
             self._link.notify(Kind.PROGRESS, {"id": request_id, "failed": True})
             log.error("dashrun: staging the checkpoint of step %d failed: %s", snapshot.step, e)
             return
         snapshot.copied.set()
-        if snapshot.deferred:
-            self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": snapshot.header.nbytes})
+        self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": snapshot.header.nbytes})
 
-    def _stage_cuda(self, snapshot: Snapshot) -> None:
+    def _stage_cuda(self, snapshot: Snapshot, copies) -> None:
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         stream = self._side_stream
+        stage = snapshot.buffer.tensor
         with torch.cuda.stream(stream):
             stream.wait_event(snapshot.gpu_ready)
-            for leaf, first, end, destination, _ in snapshot.deferred:
-                destination.copy_(statetree.byte_view(leaf)[first:end], non_blocking=True)
+            for leaf, first, end, offset in copies:
+                stage[offset:offset + end - first].copy_(statetree.byte_view(leaf)[first:end], non_blocking=True)
             snapshot.gpu_done.record(stream)
         snapshot.copied.set()  # enqueued: the compute stream waits for gpu_done on the GPU
 
@@ -406,7 +425,7 @@ class Checkpointer:
             self._cond.notify_all()
         if error is None:
             self.stats.stored += 1
-            if self._failure is not None:
+            if self._failure is not None and self._failure.startswith("not stored"):
                 log.info("dashrun: checkpoints reach dash-memd again (step %d stored)", snapshot.step)
             self._failure = None
         else:

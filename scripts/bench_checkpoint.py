@@ -478,10 +478,12 @@ class DcpAsyncSave(Variant):
 class Dashrun(Variant):
     key = "dashrun"
 
-    def __init__(self, model, optimizer, interval: int, directory: Path, procs: Processes, core: int):
+    def __init__(self, model, optimizer, interval: int, directory: Path, procs: Processes, core: int,
+                 agent_core: int | None = None):
         super().__init__()
         self.model, self.optimizer, self.interval, self.dir = model, optimizer, interval, directory
         self.procs, self.core = procs, core
+        self.agent_core = core if agent_core is None else agent_core
         self.job = "bench"
         self.memd = self.agent = None
         self.ckpt = None
@@ -515,7 +517,7 @@ class Dashrun(Variant):
         self.agent_log = self.dir / "agent.log"
         self.agent = self.procs.start("dash-agent", pinned(
             [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
-             "--socket", str(sock_path)], self.core), log=self.agent_log, cwd=REPO, env=child_env())
+             "--socket", str(sock_path)], self.agent_core), log=self.agent_log, cwd=REPO, env=child_env())
 
         def accepting() -> bool:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
@@ -847,6 +849,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpointing variants to run besides the baseline (default: all three)")
     parser.add_argument("--json", metavar="OUT", help="write every number here")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the scratch directory (logs of dash-memd...)")
+    parser.add_argument("--agent-on-training-core", action="store_true",
+                        help="pin dash-agent to the training core instead of dash-memd's: sender and receiver on "
+                             "different cores, as when dash-memd is on another machine (the agent's work then "
+                             "counts against training)")
     args = parser.parse_args(argv)
     if args.steps < args.interval or args.steps % args.interval:
         parser.error("--steps must be a positive multiple of --interval")
@@ -889,7 +895,10 @@ def run(args, wanted, train_core, side_core, separate, procs, scratch, log) -> i
     trainer.step()  # creates the AdamW state
     state_bytes = mdesc["state_bytes"]
     rounds = args.steps // args.interval
-    where = (f"training process pinned to core {train_core}; dash-memd, dash-agent and the TCP receiver pinned "
+    agent_core = train_core if args.agent_on_training_core else side_core
+    where = (f"training process and dash-agent pinned to core {train_core}; dash-memd and the TCP receiver pinned "
+             f"to core {side_core}" if separate and args.agent_on_training_core else
+             f"training process pinned to core {train_core}; dash-memd, dash-agent and the TCP receiver pinned "
              f"to core {side_core}" if separate else f"one core only: everything shares core {train_core}")
     log(f"machine: {describe_machine(mach)}; torch {torch.__version__}, torch.set_num_threads(1)")
     log(f"placement: {where}")
@@ -916,7 +925,7 @@ def run(args, wanted, train_core, side_core, separate, procs, scratch, log) -> i
         variants.append(DcpAsyncSave(model, optimizer, args.interval, scratch / "dcp"))
     dash: Dashrun | None = None
     if "dashrun" in wanted:
-        dash = Dashrun(model, optimizer, args.interval, scratch / "dash", procs, side_core)
+        dash = Dashrun(model, optimizer, args.interval, scratch / "dash", procs, side_core, agent_core)
         variants.append(dash)
     try:
         for v in variants:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from agent.pollers import CHOICES
 from agent.server import AgentConfig, AgentServer
 from dashrun import env
 from dashrun.console import block_stop_signals, next_stop_signal, run_click, setup_logging
@@ -30,13 +31,23 @@ log = logging.getLogger(PROGRAM)
 @click.option("--memd-timeout", default=60.0, show_default=True, type=float)
 @click.option("--drain-timeout", default=60.0, show_default=True, type=float,
               help="Seconds to deliver handed-over shards when stopping.")
+@click.option("--job-id", envvar=env.JOB_ID.name, default=None, help="The job served (notices are recorded on it).")
+@click.option("--cloud", envvar=env.CLOUD.name, type=click.Choice(CHOICES), default="auto", show_default=True,
+              help="Where interruption notices come from (auto: detect quickly, none if no metadata service answers).")
+@click.option("--metadata-endpoint", envvar=env.METADATA_ENDPOINT.name, default=None,
+              help="Base URL of the metadata service (AWS_EC2_METADATA_SERVICE_ENDPOINT and GCE_METADATA_HOST "
+                   "are honoured too).")
+@click.option("--poll-interval", envvar=env.POLL_INTERVAL.name, type=float, default=None,
+              help="Seconds between metadata polls (default: each cloud's; GCP waits on a hanging GET).")
 @click.option("--log-level", default="INFO", show_default=True)
-def cli(memd, token_file, socket_path, parent_pid, memd_timeout, drain_timeout, log_level) -> None:
-    """Forward the node's checkpoints to dash-memd (started by dashrun; rarely run by hand)."""
+def cli(memd, token_file, socket_path, parent_pid, memd_timeout, drain_timeout, job_id, cloud, metadata_endpoint,
+        poll_interval, log_level) -> None:
+    """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
     config = AgentConfig(memd_host=host, memd_port=port, token=read_token(token_file),
-                         socket_path=Path(socket_path), memd_timeout=memd_timeout, drain_timeout=drain_timeout)
+                         socket_path=Path(socket_path), memd_timeout=memd_timeout, drain_timeout=drain_timeout,
+                         job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint, poll_interval=poll_interval)
     sys.exit(run(config, parent_pid))
 
 

@@ -17,6 +17,7 @@ however many ranks it runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import mmap
 import os
@@ -28,18 +29,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.pollers import Notice, Poller, make_poller
 from dashrun import image
 from dashrun.channel import Channel, Frame
 from dashrun.client import MemdClient
 from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.files import write_atomic
 from dashrun.protocol import (
-    MAX_STEP, MAX_WORLD, CheckpointInfo, Kind, ShardHeader, field_float, field_int, field_job, field_step,
+    MAX_STEP, MAX_WORLD, CheckpointInfo, Kind, NoticeInfo, ShardHeader, field_bool, field_float, field_int,
+    field_job, field_step,
 )
 
 log = logging.getLogger(__name__)
 
 #: Longest a handed-over shard may wait for its rank's next staging progress.
 STAGING_TIMEOUT = 300.0
+PREEMPTED_FILE = "preempted.json"
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
@@ -55,6 +60,18 @@ class AgentConfig:
     drain_timeout: float = 60.0
     #: this node's name, as dash-memd lists it among the job's nodes
     node: str = dataclasses.field(default_factory=socket.gethostname)
+    #: the job this agent serves (its notices are recorded on it in dash-memd)
+    job: str | None = None
+    #: where interruption notices come from: auto, aws, gcp, azure or none; and an endpoint override
+    cloud: str = "none"
+    metadata_endpoint: str | None = None
+    #: seconds between polls of the metadata service (None: each cloud's own default)
+    poll_interval: float | None = None
+
+    @property
+    def preempted_file(self) -> Path:
+        """Written when this node must stop: its notice arrived, or its ranks took an emergency checkpoint."""
+        return self.socket_path.parent / PREEMPTED_FILE
 
 
 @dataclasses.dataclass
@@ -146,6 +163,7 @@ class Staged:
     header: ShardHeader
     view: memoryview
     ready: int  # bytes [0, ready) of the shard are final
+    emergency: bool = False  # taken because of an interruption notice
     failed: bool = False
     cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
@@ -230,8 +248,17 @@ class RankConnection:
             except UnavailableError:
                 pass
 
+    def send_notice(self, notice: NoticeInfo) -> None:
+        with self._send_lock:
+            try:
+                self.ch.send(Kind.NOTICE, notice.to_body())
+            except UnavailableError:
+                pass
+
     def serve(self) -> None:
         self.sender.start()
+        if self.agent.notice is not None:
+            self.send_notice(self.agent.notice)  # a rank that (re)connects after the notice learns it now
         try:
             while True:
                 frame = self.ch.recv()
@@ -260,7 +287,8 @@ class RankConnection:
                 self.reply_error(request_id, e)
                 return
             self.who = f"{header.job} rank {header.rank}"
-            staged = Staged(request_id, header, view, field_int(frame.body, "ready", 0, header.nbytes))
+            staged = Staged(request_id, header, view, field_int(frame.body, "ready", 0, header.nbytes),
+                            emergency=field_bool(frame.body, "emergency", default=False))
             self._staging[request_id] = staged
             self._snapshots.put(staged)
         elif frame.kind == Kind.PROGRESS:
@@ -285,6 +313,8 @@ class RankConnection:
                     result = self._put_with_retry(client, staged)
                     self.reply(staged.request_id, {"committed": bool(result.get("committed")),
                                                    "crc": result.get("crc")})
+                    if staged.emergency:
+                        self.agent.emergency_stored(staged.header)
                 except DashError as e:
                     if not staged.failed:
                         self.agent.report_failure(staged.header.job, e)
@@ -340,6 +370,10 @@ class AgentServer:
         self._connections: list[RankConnection] = []
         self._lock = threading.Lock()
         self._reported: dict[str, str] = {}
+        self.notice: NoticeInfo | None = None      # the most serious notice this node received
+        self._cloud_notice: Notice | None = None   # ... as the poller reported it (to acknowledge it)
+        self._poller: Poller | None = None
+        self._acknowledged = False
 
     def memd_client(self) -> MemdClient:
         return MemdClient(self.config.memd_host, self.config.memd_port, self.config.token,
@@ -367,6 +401,70 @@ class AgentServer:
         threading.Thread(target=self._accept_loop, name="agent-accept", daemon=True).start()
         log.info("serving ranks on %s, forwarding to dash-memd at %s:%d", path, self.config.memd_host,
                  self.config.memd_port)
+        if self.config.cloud != "none":
+            # Detecting the cloud can take a second: ranks are served meanwhile.
+            threading.Thread(target=self._watch_notices, name="agent-notices", daemon=True).start()
+
+    # --- interruption notices -------------------------------------------------------------
+
+    def _watch_notices(self) -> None:
+        options = {"interval": self.config.poll_interval} if self.config.poll_interval else {}
+        try:
+            poller = make_poller(self.config.cloud, self.config.metadata_endpoint, **options)
+        except DashError as e:
+            log.error("interruption notices are not watched: %s", e)
+            return
+        if poller is None:
+            log.info("no cloud metadata service answers: interruption notices are not watched")
+            return
+        log.info("watching %s interruption notices at %s", type(poller).__name__.removesuffix("Poller").upper(),
+                 poller.base_url)
+        self._poller = poller.start(self._on_notice)
+
+    def _on_notice(self, notice: Notice) -> None:
+        info = NoticeInfo(kind=notice.kind.value, cloud=notice.cloud, early=notice.early_warning,
+                          deadline=notice.deadline, node=self.config.node)
+        with self._lock:
+            if self.notice is not None and (info.early or not self.notice.early):
+                return  # nothing more serious than what the ranks already know
+            self.notice, self._cloud_notice = info, notice
+            connections = list(self._connections)
+        log.warning("%s", notice.describe())
+        for conn in connections:
+            conn.send_notice(info)
+        if not info.early:
+            self._mark_preempted({"reason": "notice", "notice": info.to_body()})
+        if self.config.job:
+            threading.Thread(target=self._record_notice, args=(info,), daemon=True).start()
+
+    def _record_notice(self, info: NoticeInfo) -> None:
+        try:
+            with self.memd_client() as client:
+                client.notice(self.config.job, info)
+        except DashError as e:
+            log.warning("could not record the notice in dash-memd: %s", e)
+
+    def _mark_preempted(self, record: dict) -> None:
+        if not self.config.preempted_file.exists():
+            write_atomic(self.config.preempted_file, json.dumps(record))
+
+    def emergency_stored(self, header: ShardHeader) -> None:
+        """A rank of this node took its emergency checkpoint: this node stops, and the cloud may be told."""
+        self._mark_preempted({"reason": "job", "step": header.step})
+        if self._poller is not None and self._cloud_notice is not None and not self._acknowledged:
+            self._acknowledged = True
+            threading.Thread(target=self._acknowledge, args=(header, self._cloud_notice), daemon=True).start()
+
+    def _acknowledge(self, header: ShardHeader, notice: Notice) -> None:
+        """Azure: start the event early once the whole checkpoint is committed (the others do nothing)."""
+        try:
+            left = notice.seconds_left()
+            with self.memd_client() as client:
+                committed = client.wait(header.job, header.step, max(1.0, left if left is not None else 60.0))
+            if committed and self._poller.acknowledge(notice):
+                log.info("told %s the state is safe (step %d committed)", notice.cloud, header.step)
+        except DashError as e:
+            log.warning("could not acknowledge the notice: %s", e)
 
     def _accept_loop(self) -> None:
         while True:
@@ -400,6 +498,8 @@ class AgentServer:
             if conn.sender.is_alive():
                 conn.sender.join(timeout=max(0.0, deadline - time.monotonic()))
         self.restores.expire(everything=True)
+        if self._poller is not None:
+            self._poller.stop(timeout=2.0)
 
 
 def _same_user(sock: socket.socket) -> bool:

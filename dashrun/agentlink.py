@@ -13,7 +13,7 @@ import concurrent.futures
 import itertools
 import socket
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dashrun import errors
 from dashrun.channel import Channel, Frame
@@ -22,9 +22,11 @@ from dashrun.protocol import Kind
 
 
 class AgentLink:
-    def __init__(self, path: str, *, connect_timeout: float = 5.0):
+    def __init__(self, path: str, *, connect_timeout: float = 5.0,
+                 on_notice: Callable[[dict[str, Any]], None] | None = None):
         self.path = path
         self.connect_timeout = connect_timeout
+        self.on_notice = on_notice  # called (on the reader thread) with each NOTICE the agent pushes
         self._lock = threading.Lock()
         self._ch: Channel | None = None
         self._pending: dict[int, concurrent.futures.Future[Frame]] = {}
@@ -83,6 +85,11 @@ class AgentLink:
         try:
             while True:
                 frame = ch.recv()
+                if frame.kind == Kind.NOTICE:
+                    frame.close_fds()
+                    if self.on_notice is not None:
+                        self.on_notice(frame.body)
+                    continue
                 future = self._pending.pop(frame.body.get("id"), None)
                 if future is None:
                     frame.close_fds()

@@ -47,7 +47,7 @@ from dashrun import env, image, statetree
 from dashrun.agentlink import AgentLink
 from dashrun.errors import DashError, UnavailableError, UsageError
 from dashrun.faults import crash_point
-from dashrun.protocol import CheckpointInfo, Kind, ShardHeader
+from dashrun.protocol import CheckpointInfo, Kind, NoticeInfo, ShardHeader
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,12 @@ META_FORMAT = 1
 RESTORE_TIMEOUT = 120.0
 #: How long save(force=True) waits for a buffer before giving up on the snapshot.
 FORCED_SAVE_TIMEOUT = 120.0
+#: Seconds before a notice's deadline by which the emergency checkpoint must be committed, and how
+#: long one waits for it when the deadline is unknown.
+EMERGENCY_MARGIN = 2.0
+EMERGENCY_TIMEOUT = 120.0
+_EARLY, _PREEMPT = 1, 2
+_NO_DEADLINE = 1e18
 #: The background copy works in pieces of this size, and tells the agent its progress about this often.
 PIECE = 8 << 20
 PROGRESS_EVERY = 8 << 20
@@ -118,6 +124,7 @@ class Snapshot:
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     handed: threading.Event = dataclasses.field(default_factory=threading.Event)  # result is set (or failed)
     awaited: bool = False  # the optimizer hook has waited for the copy
+    emergency: bool = False  # taken because of an interruption notice
     gpu_ready: Any = None  # CUDA event: the optimizer step that produced this state is done
     gpu_done: Any = None   # CUDA event the compute stream waits on before the next optimizer.step()
     result: concurrent.futures.Future | None = None
@@ -202,15 +209,17 @@ class Checkpointer:
     ``restore()`` returns 0 and ``save()`` returns False.
     """
 
-    def __init__(self, *, interval: int = 100, per_rank: Iterable[str] = ("data",), job_id: str | None = None,
-                 **objects: Any):
-        if interval < 1:
-            raise UsageError("interval must be at least 1 step")
+    def __init__(self, *, interval: int = 100, early_interval: int | None = None, per_rank: Iterable[str] = ("data",),
+                 job_id: str | None = None, **objects: Any):
+        if interval < 1 or (early_interval is not None and early_interval < 1):
+            raise UsageError("interval and early_interval must be at least 1 step")
         for name, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise UsageError(f"{name}= has no state_dict()/load_state_dict()",
                                  hint="pass objects such as a model, an optimizer, a scheduler or a data cursor")
         self.interval = interval
+        #: the interval after an early warning (rebalance recommendation, maintenance) reached any rank
+        self.early_interval = early_interval or max(1, interval // 4)
         self.objects = objects
         self.per_rank = frozenset(per_rank) & objects.keys()
         self.rank = int(os.environ.get("RANK", "0"))
@@ -225,7 +234,19 @@ class Checkpointer:
         if not self.enabled:
             log.warning("dashrun.Checkpointer: not launched by dashrun (%s is unset): checkpointing is off",
                         env.AGENT_SOCKET.name if not self._socket else env.JOB_ID.name)
-        self._link = AgentLink(self._socket) if self.enabled else None
+        self._link = AgentLink(self._socket, on_notice=self._on_notice) if self.enabled else None
+        if self._link is not None:
+            self._link.request(Kind.PING)  # connect now: a notice the agent already has reaches us at once
+        self._notice: NoticeInfo | None = None    # the most serious notice this node's agent pushed
+        self._notice_flag: torch.Tensor | None = None
+        self._notice_work = None                 # the all-reduce of every rank's notice, one step behind
+        self._notice_group = None
+        import torch.distributed as dist
+
+        if self.world > 1 and not (dist.is_available() and dist.is_initialized()) and self.enabled:
+            log.warning("dashrun: WORLD_SIZE is %d but torch.distributed is not initialised: on a preemption "
+                        "notice the ranks cannot agree on one step (call init_process_group before Checkpointer)",
+                        self.world)
         self._buffers: list[SharedBuffer | None] = [None, None]
         self._reserved: set[int] = set()         # buffers save() gave to a snapshot the stager has not laid out
         self._cond = threading.Condition()
@@ -242,24 +263,36 @@ class Checkpointer:
     def save(self, step: int, force: bool = False) -> bool:
         """Snapshot the state after ``step`` if due (or forced); returns True if a snapshot started.
 
-        Returns at once: it only captures what could change before the next
-        ``optimizer.step()``; laying out, copying and sending happen on the stager.
+        Call it on every rank after every step. It returns at once: it only
+        captures what could change before the next ``optimizer.step()``; laying
+        out, copying and sending happen on the stager. After an interruption
+        notice reached any rank of the job, every rank takes the emergency
+        checkpoint of the same step here, waits until dash-memd has committed
+        it, and sets ``preempted``.
         """
-        if not self.enabled:
+        if not self.enabled or self.preempted:
             return False
-        if not force and self._last_step is not None and step - self._last_step < self.interval:
+        level, deadline = self._agreed_notice()
+        if level >= _PREEMPT:
+            return self._emergency(step, deadline)
+        interval = min(self.interval, self.early_interval) if level >= _EARLY else self.interval
+        if not force and self._last_step is not None and step - self._last_step < interval:
             return False
-        if not force and self._last_step is None and (step + 1) % self.interval:
+        if not force and self._last_step is None and (step + 1) % interval:
             return False
+        return self._snapshot(step, force)
+
+    def _snapshot(self, step: int, wait_for_buffer: bool, emergency: bool = False) -> bool:
         started = time.perf_counter()
         self._await_copy()
-        buffer_index = self._free_buffer(wait=force)
+        buffer_index = self._free_buffer(wait=wait_for_buffer)
         if buffer_index is None:
             self.stats.skipped += 1
             self._report("skipped", f"checkpoint of step {step} skipped: the previous two are still on their way "
                                     "to dash-memd (raise the interval, or check the network to dash-memd)")
             return False
         snapshot = self._capture(step, buffer_index)
+        snapshot.emergency = emergency
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1
@@ -268,6 +301,68 @@ class Checkpointer:
         self.stats.stall_s += stall
         self.stats.last_stall_s = stall
         return True
+
+    # --- interruption notices ---------------------------------------------------------------
+
+    def _on_notice(self, body: dict[str, Any]) -> None:
+        """From the agent's reader thread: record the notice; save() acts on it, on every rank at once."""
+        try:
+            notice = NoticeInfo.from_body(body)
+        except DashError:
+            return
+        if self._notice is not None and (notice.early or not self._notice.early):
+            return
+        self._notice = notice
+        if notice.early:
+            log.warning("dashrun: %s early warning (%s): checkpointing every %d steps", notice.cloud, notice.kind,
+                        self.early_interval)
+        else:
+            left = f"{notice.deadline - time.time():.0f}s" if notice.deadline else "an unknown time"
+            log.warning("dashrun: %s %s notice: this node goes away in %s; checkpointing at the next step",
+                        notice.cloud, notice.kind, left)
+
+    def _agreed_notice(self) -> tuple[int, float | None]:
+        """(level, deadline) of the most serious notice any rank had one step ago — the same on every rank.
+
+        Each save() starts an all-reduce (MAX) of this rank's notice on a gloo
+        group and reads the one it started at the previous step, so the ranks
+        agree without waiting on the network: every rank acts at the same step.
+        """
+        notice = self._notice
+        level = 0 if notice is None else (_EARLY if notice.early else _PREEMPT)
+        deadline = notice.deadline if notice is not None and not notice.early and notice.deadline else None
+        import torch.distributed as dist
+
+        if self.world == 1 or not (dist.is_available() and dist.is_initialized()):
+            return level, deadline
+        agreed, agreed_deadline = 0, None
+        if self._notice_work is not None:
+            self._notice_work.wait()
+            agreed = int(self._notice_flag[0].item())
+            agreed_deadline = -float(self._notice_flag[1].item()) if self._notice_flag[1] > -_NO_DEADLINE else None
+        if self._notice_group is None:
+            self._notice_group = (dist.group.WORLD if dist.get_backend() == "gloo"
+                                  else dist.new_group(backend="gloo"))  # collective: every rank, first save()
+        self._notice_flag = torch.tensor([float(level), -(deadline or _NO_DEADLINE)], dtype=torch.float64)
+        self._notice_work = dist.all_reduce(self._notice_flag, op=dist.ReduceOp.MAX, group=self._notice_group,
+                                            async_op=True)
+        return agreed, agreed_deadline
+
+    def _emergency(self, step: int, deadline: float | None) -> bool:
+        """The checkpoint of ``step`` that a notice asked for: taken, awaited until committed, then stop."""
+        log.warning("dashrun: rank %d: emergency checkpoint of step %d", self.rank, step)
+        started = self._snapshot(step, wait_for_buffer=True, emergency=True)
+        budget = (deadline - time.time() - EMERGENCY_MARGIN) if deadline else EMERGENCY_TIMEOUT
+        committed = started and self.wait(timeout=max(1.0, budget))
+        if committed:
+            log.warning("dashrun: rank %d: step %d is safe in dash-memd; stopping for the preemption", self.rank, step)
+        else:
+            log.error("dashrun: rank %d: the emergency checkpoint of step %d was NOT committed before the notice's "
+                      "deadline; a relaunch resumes from the newest committed checkpoint", self.rank, step)
+        self.preempted = True
+        if self._notice_work is not None:
+            self._notice_work.wait()
+        return started
 
     def _free_buffer(self, wait: bool) -> int | None:
         """Reserve a staging buffer that dash-memd is done with (waiting for one only if ``wait``)."""
@@ -378,7 +473,8 @@ class Checkpointer:
             snapshot.handed.set()
             log.error("dashrun: the checkpoint of step %d cannot be staged: %s", snapshot.step, e)
             return
-        snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body(), "ready": 0},
+        snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body(), "ready": 0,
+                                                             "emergency": snapshot.emergency},
                                              fds=[snapshot.buffer.fd])
         snapshot.handed.set()
         crash_point("rank.handoff", rank=self.rank, step=snapshot.step)
@@ -569,6 +665,8 @@ class Checkpointer:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        if self._notice_work is not None:
+            self._notice_work.wait()  # every rank started it; leave no collective half-done
         self._stager.shutdown(wait=True)
         if self._link is not None:
             self._link.close()

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from dashrun.channel import Channel, client_handshake
 from dashrun.errors import ProtocolError, UnavailableError
-from dashrun.protocol import MAX_BYTES, CheckpointInfo, JobSpec, Kind, ShardHeader
+from dashrun.protocol import MAX_BYTES, CheckpointInfo, JobSpec, Kind, NoticeInfo, ShardHeader
 
 
 class MemdClient:
@@ -132,3 +132,7 @@ class MemdClient:
     def delete(self, job: str, keep: int = 0) -> list[int]:
         """Delete a job's checkpoints but the newest ``keep`` (0: everything, launch spec included)."""
         return self._request(lambda ch: ch.call(Kind.DELETE, {"job": job, "keep": keep}).body.get("deleted", []))
+
+    def notice(self, job: str, notice: NoticeInfo) -> None:
+        """Record an interruption notice on the job (shown by ``dashrun status``)."""
+        self._request(lambda ch: ch.call(Kind.NOTICE, {"job": job, **notice.to_body()}))

@@ -28,6 +28,10 @@ TOKEN_FILE = Var("DASH_TOKEN_FILE", "file holding the cluster's shared token", "
 JOB_ID = Var("DASH_JOB_ID", "the job's stable id; a relaunch with the same id resumes", "user, dashrun", "dashrun, ranks")
 FRESH = Var("DASH_FRESH", "'1': delete the job's earlier checkpoints and start from step 0", "user", "dashrun")
 AGENT_SOCKET = Var("DASH_AGENT_SOCKET", "path of this node's dash-agent Unix socket", "dashrun", "ranks, dash-agent")
+CLOUD = Var("DASH_CLOUD", "where notices come from: auto, aws, gcp, azure, none", "user", "dashrun, dash-agent")
+METADATA_ENDPOINT = Var("DASH_METADATA_ENDPOINT", "base URL of the cloud metadata service", "user",
+                        "dashrun, dash-agent")
+POLL_INTERVAL = Var("DASH_POLL_INTERVAL", "seconds between metadata polls", "user", "dashrun, dash-agent")
 LISTEN = Var("DASH_LISTEN", "HOST:PORT dash-memd listens on", "user", "dash-memd")
 DATA_DIR = Var("DASH_DATA_DIR", "dash-memd's disk tier directory", "user", "dash-memd")
 MEMORY_LIMIT = Var("DASH_MEMORY_LIMIT", "bytes of checkpoint data dash-memd may hold in RAM", "user", "dash-memd")
@@ -39,8 +43,10 @@ SSH_CONFIG = Var("DASH_SSH_CONFIG", "OpenSSH client config for --hostfile (defau
 REMOTE_PYTHON = Var("DASH_REMOTE_PYTHON", "Python that runs dashrun on the hosts of --hostfile", "user", "dashrun")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.faults)", "tests", "all")
 
-ALL: tuple[Var, ...] = (MEMD, TOKEN_FILE, JOB_ID, FRESH, AGENT_SOCKET, LISTEN, DATA_DIR, MEMORY_LIMIT, KEEP_RAM, KEEP_DISK,
-                        HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, CRASH_AT)
+ALL: tuple[Var, ...] = (
+    MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,
+    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, CRASH_AT,
+)
 
 
 def get(var: Var, default: str | None = None) -> str | None:

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import re
@@ -30,7 +31,7 @@ import uuid
 from pathlib import Path
 
 from dashrun import env
-from dashrun.errors import AuthError, ExitCode, UnavailableError, UsageError
+from dashrun.errors import AuthError, DashError, ExitCode, UnavailableError, UsageError
 from dashrun.embedded import PrivateMemd
 from dashrun.memd.config import DEFAULT_PORT
 from dashrun.protocol import JobSpec
@@ -45,6 +46,12 @@ AGENT_POLL_INTERVAL = 0.5
 AGENT_MAX_RESTARTS = 10
 #: Seconds to wait for an unreachable dash-memd before giving up at launch.
 MEMD_WAIT = 30.0
+#: Written by the agent when this node must stop (see agent.server.PREEMPTED_FILE: the agent is a
+#: separate program and dashrun never imports it).
+PREEMPTED_FILE = "preempted.json"
+PREEMPTION_POLL = 0.2
+#: Ranks still running this long before a notice's deadline are stopped.
+STOP_MARGIN = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +62,9 @@ class LaunchOptions:
     token_file: Path | None
     job_id: str
     fresh: bool = False
+    cloud: str = "auto"
+    metadata_endpoint: str | None = None
+    poll_interval: float | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: derived from the script's absolute path and its arguments).")
     group.add_argument("--fresh", action="store_true", default=env.get(env.FRESH, "0") == "1",
                        help=f"delete the job's earlier checkpoints and start from step 0 (env {env.FRESH.name}=1).")
+    group.add_argument("--cloud", default=env.get(env.CLOUD, "auto"), choices=("auto", "aws", "gcp", "azure", "none"),
+                       help=f"where Spot interruption notices come from (env {env.CLOUD.name}; default auto: detect "
+                            "quickly, none when no metadata service answers).")
+    group.add_argument("--metadata-endpoint", "--metadata_endpoint", default=env.get(env.METADATA_ENDPOINT),
+                       metavar="URL", help=f"base URL of the cloud's metadata service (env {env.METADATA_ENDPOINT.name};"
+                                           " AWS_EC2_METADATA_SERVICE_ENDPOINT and GCE_METADATA_HOST work too).")
+    group.add_argument("--poll-interval", "--poll_interval", type=float, default=env.get(env.POLL_INTERVAL),
+                       metavar="SECONDS", help=f"seconds between metadata polls (env {env.POLL_INTERVAL.name}; "
+                                               "default: each cloud's).")
     group.add_argument("--hostfile", default=env.get(env.HOSTFILE), metavar="FILE",
                        help=f"start dashrun on every host of FILE ('HOST slots=N' per line) over SSH, with "
                             f"--nnodes, --nproc-per-node and a c10d rendezvous on the first host decided for each "
@@ -111,13 +130,15 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         if parse_min_max_nnodes(args.nnodes)[1] > 1:
             raise UsageError("a job on several nodes needs a dash-memd they all reach",
                              hint="start one with 'dash-memd start' on a stable VM and pass --memd HOST:PORT")
-        return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh)
+        return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
+                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval)
     if args.token_file is None:
         raise UsageError("--memd needs --token-file", hint="the file with the token dash-memd was started with")
     token_file = Path(args.token_file)
     read_token(token_file)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=parse_address(args.memd, default_port=DEFAULT_PORT, what="--memd"),
-                         token_file=token_file, job_id=job_id, fresh=args.fresh)
+                         token_file=token_file, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
+                         metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:
@@ -155,10 +176,14 @@ class AgentProcess:
         self._supervisor = threading.Thread(target=self._supervise, name="dashrun-agent-supervisor", daemon=True)
 
     def _start(self) -> None:
-        host, port = self.options.memd
+        options = self.options
+        host, port = options.memd
+        extra = (["--metadata-endpoint", options.metadata_endpoint] if options.metadata_endpoint else []) + (
+            ["--poll-interval", str(options.poll_interval)] if options.poll_interval else [])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(self.options.token_file),
-             "--socket", str(self.socket_path), "--parent-pid", str(os.getpid())],
+            [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(options.token_file),
+             "--socket", str(self.socket_path), "--parent-pid", str(os.getpid()), "--job-id", options.job_id,
+             "--cloud", options.cloud, *extra],
             start_new_session=True)
         deadline = time.monotonic() + AGENT_START_TIMEOUT
         while not self._accepting():
@@ -284,15 +309,84 @@ def launch(argv: list[str], overrides: dict | None = None) -> int:
         agent = stack.enter_context(AgentProcess(options))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
         os.environ[env.JOB_ID.name] = options.job_id
+        watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PREEMPTED_FILE))
         try:
             elastic_launch(config, cmd)(*cmd_args)
         except ChildFailedError as e:
-            _report_child_failure(e)
-            return int(ExitCode.FAILED)
+            if watcher.record() is None:
+                _report_child_failure(e)
+                return int(ExitCode.FAILED)
         except SignalException as e:
-            print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
-            return int(ExitCode.FAILED)
+            if watcher.record() is None:
+                print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
+                return int(ExitCode.FAILED)
+        if watcher.record() is not None:
+            return _preempted(options, watcher)
     return int(ExitCode.OK)
+
+
+class PreemptionWatcher:
+    """Watches for the agent's record that this node must stop; stops ranks that run past the deadline.
+
+    The ranks stop by themselves after their emergency checkpoint. Ranks that
+    never call save() again (a long evaluation, a hang) are stopped shortly
+    before the notice's deadline — through torch's own shutdown, which sends
+    them SIGTERM and SIGKILL after ``--shutdown-timeout`` — so that the node
+    goes away with its processes ended, not cut off.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.stopped_ranks = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="dashrun-preemption", daemon=True)
+
+    def __enter__(self) -> PreemptionWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def record(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _watch(self) -> None:
+        while not self._done.wait(PREEMPTION_POLL):
+            record = self.record()
+            deadline = ((record or {}).get("notice") or {}).get("deadline")
+            if deadline is not None and time.time() >= deadline - STOP_MARGIN:
+                log.error("the ranks have not finished their emergency checkpoint and the notice's deadline is "
+                          "%.0fs away: stopping them now", deadline - time.time())
+                self.stopped_ranks = True
+                os.kill(os.getpid(), signal.SIGTERM)  # torch's elastic agent stops the workers
+                return
+
+
+def _preempted(options: LaunchOptions, watcher: PreemptionWatcher) -> int:
+    """Exit 75, saying why and where the job stands."""
+    from dashrun.client import MemdClient
+
+    record = watcher.record() or {}
+    notice = record.get("notice")
+    why = (f"{notice.get('cloud')} {notice.get('kind')} notice" if notice else
+           "an interruption notice on another node of the job")
+    try:
+        with MemdClient(*options.memd, read_token(options.token_file), timeout=10) as client:
+            newest = client.latest(options.job_id)
+        where = f"step {newest.step} is safe in dash-memd" if newest else "no checkpoint of this job is committed yet"
+    except DashError as e:
+        where = f"dash-memd could not be asked where the job stands ({e})"
+    if watcher.stopped_ranks:
+        print("dashrun: error: the ranks were stopped before the notice's deadline without an emergency "
+              "checkpoint; the newest committed one is used on resume", file=sys.stderr)
+    print(f"dashrun: preempted by {why}: {where}; run the same command (or dashrun resume --job-id "
+          f"{options.job_id}) to continue", file=sys.stderr)
+    return int(ExitCode.PREEMPTED)
 
 
 def _report_child_failure(err) -> None:

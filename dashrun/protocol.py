@@ -79,6 +79,7 @@ class Kind(enum.IntEnum):
     PUT_SPEC = 23       # store how a job was launched, for `dashrun resume`
     GET_SPEC = 24
     DELETE = 25         # forget checkpoints of a job (all, or all but the newest N)
+    NOTICE = 26         # an interruption notice a node received (recorded on the job; sent to ranks too)
     # rank <-> dash-agent, over the node's Unix socket
     SNAPSHOT = 32       # a shard in a shared-memory segment (fd attached), possibly still being staged
     RESTORE = 33        # fetch the newest committed checkpoint into shared memory
@@ -357,3 +358,29 @@ class JobSpec:
             raise ProtocolError(f"field 'argv' must be a list of at most {MAX_ARGS} strings")
         return cls(argv=tuple(argv), cwd=field_str(body, "cwd", 4096), host=field_str(body, "host", 255),
                    created=field_float(body, "created", 0.0, 1e11))
+
+
+@dataclasses.dataclass(frozen=True)
+class NoticeInfo:
+    """An interruption notice as it travels: to the ranks of a node, and to dash-memd for the job's record.
+
+    ``early`` marks a warning (rebalance recommendation, maintenance) that shortens the
+    checkpoint interval; otherwise the node goes away at ``deadline`` (epoch seconds).
+    """
+
+    kind: str
+    cloud: str
+    early: bool
+    deadline: float | None
+    node: str = ""
+
+    def to_body(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_body(cls, body: dict) -> NoticeInfo:
+        deadline = body.get("deadline")
+        return cls(kind=field_str(body, "kind", 32), cloud=field_str(body, "cloud", 16),
+                   early=field_bool(body, "early"),
+                   deadline=None if deadline is None else field_float(body, "deadline", 0.0, 1e11),
+                   node=field_str(body, "node", 255, default=""))

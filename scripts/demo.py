@@ -1,13 +1,17 @@
-"""dashrun in one minute: train, get killed, come back exactly where it was.
+"""dashrun in one minute: train, get preempted, come back exactly where it was.
 
-    python scripts/demo.py [--steps 60] [--workdir DIR]
+    python scripts/demo.py [--steps 60] [--kill] [--workdir DIR]
 
-1. starts a private dash-memd on loopback,
+1. starts a private dash-memd on loopback, and a fake AWS metadata service
+   (scripts/fake_metadata.py) in place of the cloud's,
 2. trains examples/tiny_gpt.py on 2 CPU ranks, uninterrupted, for reference,
-3. trains it again under another job id and SIGKILLs the launcher, its agent
-   and both ranks two thirds of the way through,
-4. runs the very same command again: it resumes from the newest checkpoint
-   committed in dash-memd,
+3. trains it again under another job id; two thirds of the way through, the
+   fake serves a Spot interruption notice: both ranks checkpoint the same step,
+   dash-memd commits it, and dashrun exits 75. (``--kill`` instead SIGKILLs the
+   launcher, its agent and both ranks: the steps since the last periodic
+   checkpoint are then run again.)
+4. runs the very same command again, as a replacement node would: it resumes
+   from the newest checkpoint committed in dash-memd,
 5. compares the losses of every step with the uninterrupted run.
 
 Exits 0 when every step's loss is bit-identical, 1 otherwise.
@@ -30,7 +34,10 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_gpt.py"
+PREEMPTED = 75
 console = Console()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_metadata import FakeMetadata  # noqa: E402  (a script beside this one)
 
 
 def read_losses(path: Path) -> dict[int, list[str]]:
@@ -57,6 +64,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--kill", action="store_true", help="SIGKILL everything instead of sending a notice")
     parser.add_argument("--workdir", type=Path, default=None, help="keep files here (default: a temp dir)")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dashrun-demo-"))
@@ -67,12 +75,13 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "dashrun.memd", "token", "--out", str(token)], check=True,
                        stdout=subprocess.DEVNULL)
 
-    console.rule("[bold]1. a private dash-memd on loopback")
+    console.rule("[bold]1. a private dash-memd on loopback, and a fake AWS metadata service")
     memd_log = open(work / "memd.log", "wb")
     memd = subprocess.Popen([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
                              "--data-dir", str(work / "memd-data"), "--memory-limit", "1GiB",
                              "--token-file", str(token), "--ready-file", str(ready)],
                             stdout=memd_log, stderr=subprocess.STDOUT)
+    fake = FakeMetadata("aws", imdsv2="required").start()
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -81,11 +90,12 @@ def main() -> int:
                 return 1
             time.sleep(0.05)
         address = ready.read_text().strip()
-        console.print(f"dash-memd listening on {address} (log: {work / 'memd.log'})")
+        console.print(f"dash-memd listening on {address} (log: {work / 'memd.log'}); AWS metadata at {fake.url}")
 
         def dashrun(job: str, loss_log: Path, *extra: str) -> list[str]:
             return [sys.executable, "-m", "dashrun", "--memd", address, "--token-file", str(token),
-                    "--job-id", job, "--nproc-per-node", "2", str(EXAMPLE), "--steps", str(args.steps),
+                    "--job-id", job, "--nproc-per-node", "2", "--cloud", "aws", "--metadata-endpoint", fake.url,
+                    "--poll-interval", "0.5", str(EXAMPLE), "--steps", str(args.steps),
                     "--interval", str(args.interval), "--loss-log", str(loss_log), *extra]
 
         reference_log, run_log = work / "reference-losses.txt", work / "run-losses.txt"
@@ -98,17 +108,33 @@ def main() -> int:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         console.print(f"{args.steps} steps done")
 
-        console.rule("[bold]3. the same training, killed with SIGKILL two thirds of the way")
-        kill_at = args.steps * 2 // 3 + args.interval // 2  # between two checkpoints: some steps run twice
+        stop_at = args.steps * 2 // 3 + args.interval // 2  # between two periodic checkpoints
         job = f"demo-{work.name}"
-        with console.status(f"training until step {kill_at} ..."):
+        if args.kill:
+            console.rule("[bold]3. the same training, killed with SIGKILL two thirds of the way")
+        else:
+            console.rule("[bold]3. the same training, and a Spot interruption notice two thirds of the way")
+        with console.status(f"training until step {stop_at} ..."):
             launcher = subprocess.Popen(dashrun(job, run_log, "--delay", "0.05"),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            while max(read_losses(run_log), default=-1) < kill_at and launcher.poll() is None:
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            while max(read_losses(run_log), default=-1) < stop_at and launcher.poll() is None:
                 time.sleep(0.05)
-            kill_tree(launcher)
-        killed_after = max(read_losses(run_log), default=-1)
-        console.print(f"killed the launcher, its dash-agent and both ranks after step {killed_after}")
+            if args.kill:
+                kill_tree(launcher)
+                console.print(f"killed the launcher, its dash-agent and both ranks after step "
+                              f"{max(read_losses(run_log), default=-1)}")
+            else:
+                fake.notice("terminate", lead=120)
+                _, stderr = launcher.communicate(timeout=300)
+                said = [line for line in stderr.splitlines() if "preempted by" in line or "emergency" in line]
+                console.print("\n".join(said[-3:]))
+                console.print(f"dashrun exited with {launcher.returncode}"
+                              + (" (preempted, state safe: relaunch to resume)" if launcher.returncode == PREEMPTED
+                                 else ""))
+                if launcher.returncode != PREEMPTED:
+                    return 1
+        stopped_after = max(read_losses(run_log), default=-1)
+        fake.clear()  # the replacement node gets no notice
 
         console.rule("[bold]4. the same command again")
         result = subprocess.run(dashrun(job, run_log), capture_output=True, text=True)
@@ -117,19 +143,20 @@ def main() -> int:
             console.print(result.stderr[-3000:])
             console.print("[red]the relaunch did not resume")
             return 1
-        console.print(resumed)
+        console.print(resumed + ("" if args.kill else f" (the notice stopped the job after step {stopped_after}: "
+                                                        "no step lost)"))
 
         console.rule("[bold]5. losses, step by step")
         reference, run = read_losses(reference_log), read_losses(run_log)
         start = int(resumed.split()[-1])
-        table = Table("step", "uninterrupted", "killed + resumed", "")
+        table = Table("step", "uninterrupted", "interrupted + resumed", "")
         identical = True
         for step in range(args.steps):
             losses = run.get(step, [])
             same = bool(losses) and all(loss == reference[step][0] for loss in losses)
             identical &= same
-            if start - 2 <= step <= killed_after + 2 or step in (0, args.steps - 1):
-                note = "resumed here" if step == start else ("killed after" if step == killed_after else "")
+            if start - 2 <= step <= stopped_after + 2 or step in (0, args.steps - 1):
+                note = "resumed here" if step == start else ("stopped after" if step == stopped_after else "")
                 table.add_row(str(step), reference[step][0], " / ".join(losses), note)
         console.print(table)
         if identical:
@@ -138,6 +165,7 @@ def main() -> int:
             console.print("[bold red]the resumed run differs from the uninterrupted one")
         return 0 if identical else 1
     finally:
+        fake.stop()
         memd.send_signal(signal.SIGTERM)
         memd.wait(timeout=60)
         memd_log.close()

@@ -21,6 +21,24 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "bin" / "train.py"
 
 
+@pytest.fixture(autouse=True)
+def no_cloud_probes(monkeypatch):
+    """Never let a dash-agent started by a test look for a cloud metadata service beyond loopback."""
+    monkeypatch.setenv("DASH_CLOUD", "none")
+
+
+def load_fake_metadata():
+    """scripts/fake_metadata.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    if "fake_metadata" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fake_metadata", REPO / "scripts" / "fake_metadata.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fake_metadata"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fake_metadata"]
+
+
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.02):
     """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
     deadline = time.monotonic() + timeout
@@ -186,3 +204,20 @@ def agent_factory(short_tmp, tmp_path):
     yield make
     for agent in started:
         agent.stop()
+
+
+#: The reference run: the uninterrupted job every interrupted one is compared with.
+REFERENCE_STEPS = 30
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> dict[int, dict]:
+    """Final state of each rank after an uninterrupted run of tests/bin/train.py, under plain torchrun."""
+    from runs import final_states
+
+    out = tmp_path_factory.mktemp("reference")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN),
+                             "--steps", str(REFERENCE_STEPS), "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return final_states(out)

@@ -8,70 +8,22 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import TRAIN, dashrun_cmd, kill_tree, wait_for
+from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, kill_tree, wait_for
+from runs import assert_identical, last_step, starts
 
 pytestmark = pytest.mark.slow
 
-STEPS, INTERVAL = 30, 5
+STEPS, INTERVAL = REFERENCE_STEPS, 5
 TRAIN_ARGS = ["--steps", str(STEPS), "--interval", str(INTERVAL)]
-COMPARED = ("model", "optimizer", "scheduler", "cursor", "rng", "py_rng")
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, dict]:
-    """Final state of each rank after an uninterrupted run, without dashrun."""
-    out = tmp_path_factory.mktemp("reference")
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN),
-                  *TRAIN_ARGS, "--out", str(out)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {rank: torch.load(out / f"final-rank{rank}.pt", weights_only=False) for rank in (0, 1)}
-
-
-def assert_identical(reference: dict[int, dict], out: Path) -> None:
-    for rank in (0, 1):
-        final = torch.load(out / f"final-rank{rank}.pt", weights_only=False)
-        for key in COMPARED:
-            assert_same(reference[rank][key], final[key], f"rank {rank} {key}")
-
-
-def assert_same(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where} keys differ"
-        for key in a:
-            assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where} length differs"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def starts(out: Path, rank: int = 0) -> list[int]:
-    return [int(m) for m in re.findall(r"^start (\d+)$", (out / f"rank{rank}.log").read_text(), re.M)]
-
-
-def last_step(out: Path) -> int:
-    try:
-        lines = (out / "rank0.log").read_text().split("\n")
-    except FileNotFoundError:
-        return -1
-    steps = [int(line.split()[0]) for line in lines if line and line[0].isdigit()]
-    return max(steps, default=-1)
 
 
 def test_killed_at_a_random_step_resumes_bit_identical(memd, tmp_path, reference):

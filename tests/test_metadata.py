@@ -6,7 +6,6 @@ fake's endpoint (or, for the SDK-variable tests, an environment pointing at it).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import signal
 import socket
@@ -20,13 +19,10 @@ import requests
 
 from agent import pollers
 from agent.pollers import AwsPoller, AzurePoller, GcpPoller, Notice, NoticeKind
-from conftest import REPO, wait_for
+from conftest import REPO, load_fake_metadata, wait_for
 from dashrun.errors import UsageError
 
-_spec = importlib.util.spec_from_file_location("fake_metadata", REPO / "scripts" / "fake_metadata.py")
-fake_metadata = importlib.util.module_from_spec(_spec)
-sys.modules["fake_metadata"] = fake_metadata
-_spec.loader.exec_module(fake_metadata)
+fake_metadata = load_fake_metadata()
 FakeMetadata = fake_metadata.FakeMetadata
 
 AWS_GET = "/latest/meta-data/"

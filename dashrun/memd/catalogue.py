@@ -30,7 +30,7 @@ from typing import Iterator
 
 from dashrun.errors import ConflictError, NoSpaceError, NotFoundError
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import CheckpointInfo, JobSpec, ShardHeader, tiling_problem
+from dashrun.protocol import CheckpointInfo, JobSpec, NoticeInfo, ShardHeader, tiling_problem
 from dashrun.units import format_size
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class Catalogue:
         self._disk_failures: dict[str, str] = {}
         self._specs: dict[str, JobSpec] = {}
         self._nodes: dict[str, dict[str, float]] = {}  # job -> node -> when it last sent a shard
+        self._notices: dict[str, dict] = {}            # job -> the last interruption notice a node reported
 
     # --- start-up ----------------------------------------------------------------
 
@@ -339,6 +340,11 @@ class Catalogue:
         with self._cond:
             return self._specs.get(job)
 
+    def record_notice(self, job: str, notice: NoticeInfo) -> None:
+        log.warning("%s: %s notice from %s (%s)", job, notice.kind, notice.node or "a node", notice.cloud)
+        with self._cond:
+            self._notices[job] = {**notice.to_body(), "at": time.time()}
+
     def node_seen(self, job: str, node: str) -> None:
         with self._cond:
             self._nodes.setdefault(job, {})[node] = time.time()
@@ -361,6 +367,7 @@ class Catalogue:
                     self._drop_receiving(entry)
                 self._specs.pop(job, None)
                 self._nodes.pop(job, None)
+                self._notices.pop(job, None)
                 self._disk_failures.pop(job, None)
                 if not steps:
                     self._committed.pop(job, None)
@@ -438,5 +445,6 @@ class Catalogue:
             "disk_error": self._disk_failures.get(job),
             "nodes": self._nodes.get(job, {}),
             "spec": spec.to_body() if spec else None,
+            "notice": self._notices.get(job),
             "updated": max(newest["committed_at"] if newest else 0.0, spec.created if spec else 0.0),
         }

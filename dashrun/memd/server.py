@@ -26,7 +26,7 @@ from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.protocol import (
-    JobSpec, Kind, ShardHeader, field_bool, field_float, field_int, field_job, field_step, field_str,
+    JobSpec, Kind, NoticeInfo, ShardHeader, field_bool, field_float, field_int, field_job, field_step, field_str,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class MemdServer:
             Kind.PUT_SPEC: self._put_spec,
             Kind.GET_SPEC: self._get_spec,
             Kind.DELETE: self._delete,
+            Kind.NOTICE: self._notice,
         }
         self.address: tuple[str, int] | None = None
 
@@ -262,6 +263,10 @@ class MemdServer:
     def _delete(self, ch: Channel, frame: Frame) -> None:
         deleted = self.catalogue.delete(field_job(frame.body), field_int(frame.body, "keep", 0, 1 << 20))
         ch.send(Kind.OK, {"deleted": deleted})
+
+    def _notice(self, ch: Channel, frame: Frame) -> None:
+        self.catalogue.record_notice(field_job(frame.body), NoticeInfo.from_body(frame.body))
+        ch.send(Kind.OK)
 
     def _ping(self, ch: Channel, frame: Frame) -> None:
         ch.send(Kind.OK, {"pid": os.getpid()})

@@ -58,6 +58,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep per step")
     parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--early-interval", type=int, default=None, help="interval after an early warning")
+    parser.add_argument("--stall-after", type=int, default=None,
+                        help="after this step, stop calling save() and sleep (a long evaluation, a hang)")
     args = parser.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -73,7 +76,8 @@ def main():
     cursor = Cursor(rank)
     torch.manual_seed(1 + rank)  # per-rank RNG stream for dropout
 
-    ckpt = dashrun.Checkpointer(model=model, optimizer=opt, scheduler=sched, data=cursor, interval=args.interval)
+    ckpt = dashrun.Checkpointer(model=model, optimizer=opt, scheduler=sched, data=cursor, interval=args.interval,
+                                early_interval=args.early_interval)
     start = ckpt.restore()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.log"), "a") as log:
@@ -89,8 +93,18 @@ def main():
             ckpt.save(step)
             log.write(f"{step} {loss.item():.10f}\n")
             log.flush()
+            if ckpt.preempted:
+                log.write(f"preempted {step}\n")
+                break
             if args.delay:
                 time.sleep(args.delay)
+            if args.stall_after is not None and step >= args.stall_after:
+                time.sleep(3600)
+    if ckpt.preempted:  # the state is safe in dash-memd; the relaunch goes on from here
+        ckpt.close()
+        if world > 1:
+            dist.destroy_process_group()
+        return
     ckpt.wait()
     module = model.module if world > 1 else model
     torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),

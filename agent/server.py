@@ -33,7 +33,7 @@ from agent.pollers import Notice, Poller, make_poller
 from dashrun import image
 from dashrun.channel import Channel, Frame
 from dashrun.client import MemdClient
-from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, UnavailableError
 from dashrun.files import write_atomic
 from dashrun.protocol import (
     MAX_STEP, MAX_WORLD, CheckpointInfo, Kind, NoticeInfo, ShardHeader, field_bool, field_float, field_int,
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 #: Longest a handed-over shard may wait for its rank's next staging progress.
 STAGING_TIMEOUT = 300.0
 PREEMPTED_FILE = "preempted.json"
+#: Corrupt newest checkpoints a restore skips before it gives up.
+CORRUPT_FALLBACKS = 5
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
@@ -102,25 +105,42 @@ class RestoreCache:
                           timeout=self.config.memd_timeout)
 
     def get(self, job: str, step: int | None) -> RestoreImage | None:
-        """The image of a committed checkpoint (the newest, or ``step``); None if the job has none."""
+        """The image of a committed checkpoint (the newest, or ``step``); None if the job has none.
+
+        A newest checkpoint whose bytes fail their checksum (dash-memd drops
+        one that fails in its object tier), or that is gone by the time it is
+        read, gives way to the newest one then.
+        """
         self.expire()
         with self._client() as client:
-            info = client.latest(job, step)
-            if info is None:
-                return None
+            for attempt in range(1, CORRUPT_FALLBACKS + 1):
+                info = client.latest(job, step)
+                if info is None:
+                    return None
+                try:
+                    return self._get(client, info)
+                except (ChecksumError, NotFoundError) as e:  # corrupt, or dropped since LATEST answered
+                    if step is not None or attempt == CORRUPT_FALLBACKS:
+                        raise
+                    log.error("%s step %d cannot be restored (%s); trying the newest checkpoint before it", job,
+                              info.step, e)
+        return None
+
+    def _get(self, client: MemdClient, info: CheckpointInfo) -> RestoreImage:
+        job = info.job
+        with self._lock:
+            job_lock = self._fetching.setdefault(job, threading.Lock())
+        with job_lock:
             with self._lock:
-                job_lock = self._fetching.setdefault(job, threading.Lock())
-            with job_lock:
+                image = self._images.get((job, info.step))
+            if image is None or image.info.committed_at != info.committed_at:
+                image = self._fetch(client, info)
                 with self._lock:
-                    image = self._images.get((job, info.step))
-                if image is None or image.info.committed_at != info.committed_at:
-                    image = self._fetch(client, info)
-                    with self._lock:
-                        old = self._images.pop((job, info.step), None)
-                        self._images[(job, info.step)] = image
-                    if old is not None:
-                        os.close(old.fd)
-                return image
+                    old = self._images.pop((job, info.step), None)
+                    self._images[(job, info.step)] = image
+                if old is not None:
+                    os.close(old.fd)
+            return image
 
     def _fetch(self, client: MemdClient, info: CheckpointInfo) -> RestoreImage:
         tails, size = image.layout(info)
@@ -128,8 +148,15 @@ class RestoreCache:
         try:
             os.ftruncate(fd, max(size, 1))
             started = time.monotonic()
-            with mmap.mmap(fd, max(size, 1)) as mapped, memoryview(mapped) as view:
-                image.fetch(client, info, view, tails)
+            mapped = mmap.mmap(fd, max(size, 1))
+            try:
+                with memoryview(mapped) as view:
+                    image.fetch(client, info, view, tails)
+            finally:
+                try:
+                    mapped.close()
+                except BufferError:  # a slice outlives the error raised over it: unmapped when collected
+                    pass
             log.info("fetched %s step %d (%d bytes) in %.2fs", info.job, info.step, info.nbytes,
                      time.monotonic() - started)
         except BaseException:
@@ -149,10 +176,10 @@ class RestoreCache:
     def expire(self, everything: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
-            for key, image in list(self._images.items()):
-                if everything or now - image.created > self.config.restore_ttl:
+            for key, held in list(self._images.items()):
+                if everything or now - held.created > self.config.restore_ttl:
                     del self._images[key]
-                    os.close(image.fd)
+                    os.close(held.fd)
 
 
 @dataclasses.dataclass

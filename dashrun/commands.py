@@ -17,6 +17,7 @@ from typing import Iterator
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
@@ -83,7 +84,12 @@ def status(memd, token_file, as_json) -> None:
     memory = listing.get("memory", {})
     console.print(f"dash-memd at {client.address}: {format_size(memory.get('used', 0))} of "
                   f"{format_size(memory.get('limit', 0))} RAM in use, "
-                  f"{listing.get('pending_disk_writes', 0)} disk writes pending")
+                  f"{listing.get('pending_disk_writes', 0)} disk writes pending", highlight=False)
+    if listing.get("object_store"):
+        console.print(f"object store {listing['object_store']}: {listing.get('pending_uploads', 0)} uploads pending"
+                      + ("" if listing.get("object_listed") else ", not listed yet")
+                      + (f" ([red]{escape(listing['object_error'])}[/])" if listing.get("object_error") else ""),
+                      highlight=False)
     table = Table("job", "step", "in", "size", "saved", "ranks", "nodes", "last notice")
     for job in listing.get("jobs", []):
         newest = job.get("newest")
@@ -99,6 +105,10 @@ def status(memd, token_file, as_json) -> None:
             f"{notice['kind']} {_age(notice['at'])}" if notice else "-",
         )
     console.print(table)
+    for job in listing.get("jobs", []):
+        for tier in ("disk", "object"):
+            if job.get(f"{tier}_error"):
+                console.print(f"[red]{escape(job['job'])}: {tier} tier failing: {escape(job[f'{tier}_error'])}[/]")
 
 
 @cli.command(name="ls")

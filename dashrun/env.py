@@ -37,6 +37,8 @@ DATA_DIR = Var("DASH_DATA_DIR", "dash-memd's disk tier directory", "user", "dash
 MEMORY_LIMIT = Var("DASH_MEMORY_LIMIT", "bytes of checkpoint data dash-memd may hold in RAM", "user", "dash-memd")
 KEEP_RAM = Var("DASH_KEEP_RAM", "committed checkpoints per job kept in RAM", "user", "dash-memd")
 KEEP_DISK = Var("DASH_KEEP_DISK", "committed checkpoints per job kept on disk", "user", "dash-memd")
+S3 = Var("DASH_S3", "s3://bucket/prefix: dash-memd's object tier (credentials: the AWS chain)", "user", "dash-memd")
+KEEP_OBJECT = Var("DASH_KEEP_OBJECT", "committed checkpoints per job kept in the object store", "user", "dash-memd")
 HOSTFILE = Var("DASH_HOSTFILE", "hostfile ('HOST slots=N' per line): start dashrun on each host over SSH", "user",
                "dashrun")
 SSH_CONFIG = Var("DASH_SSH_CONFIG", "OpenSSH client config for --hostfile (default ~/.ssh/config)", "user", "dashrun")
@@ -45,7 +47,7 @@ CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (s
 
 ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,
-    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, CRASH_AT,
+    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, CRASH_AT,
 )
 
 

@@ -129,3 +129,4 @@ def from_code(code: str, message: str) -> DashError:
     if cls is RemoteError:
         err.code = ErrorCode.INTERNAL
     return err
+

@@ -309,6 +309,68 @@ def measure_disk(nbytes: int, directory: Path, rounds: int = 3) -> dict:
     return timings(nbytes, times[1:])  # the first round warms up
 
 
+def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path, rounds: int = 3) -> dict | None:
+    """Upload and download of one checkpoint through dash-memd's object tier to moto's S3 server on loopback."""
+    try:
+        import boto3
+        import moto  # noqa: F401 (the server is started as a process)
+    except ImportError:
+        return None
+    import torch
+
+    from dashrun.memd.objecttier import ObjectTier
+    from dashrun.protocol import CheckpointInfo, ShardHeader, crc32c
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    proc = procs.start("s3-server", pinned([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                           core), log=scratch / "moto.log")
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED")}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    try:
+        client = boto3.client("s3")
+
+        def answers() -> bool:
+            try:
+                client.list_buckets()
+                return True
+            except Exception:
+                return False
+        wait_until(answers, 60, "the S3 server to answer", proc, scratch / "moto.log")
+        client.create_bucket(Bucket="bench")
+        tier = ObjectTier("s3://bench/ckpt")
+        src = torch.empty(nbytes, dtype=torch.uint8).fill_(5)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        view, target = memoryview(src.numpy()).cast("B"), memoryview(dst.numpy()).cast("B")
+        shard = ShardHeader("bench", 1, 0, 1, nbytes, 0, nbytes, 0, 0, "00" * 32, crc=crc32c(view))
+        up, down = [], []
+        for r in range(rounds + 1):
+            info = CheckpointInfo("bench", r, 1, nbytes, "00" * 32, time.time(), (dataclasses.replace(shard, step=r),))
+            started = time.perf_counter()
+            tier.put(info, [view])
+            up.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            tier.read_into("bench", r, 0, target, shard=info.shards[0])
+            down.append(time.perf_counter() - started)
+            tier.delete("bench", r)
+        tier.close()
+        view.release()
+        target.release()
+        return {"upload": timings(nbytes, up[1:]), "download": timings(nbytes, down[1:]),
+                "part_size": tier.part_size, "workers": tier.workers}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        procs.stop(proc, timeout=10)
+
+
 # --- the model ------------------------------------------------------------------------------
 
 
@@ -849,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpointing variants to run besides the baseline (default: all three)")
     parser.add_argument("--json", metavar="OUT", help="write every number here")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the scratch directory (logs of dash-memd...)")
+    parser.add_argument("--no-s3", action="store_true",
+                        help="skip the object-store figures (upload and download to a local moto S3 server)")
     parser.add_argument("--agent-on-training-core", action="store_true",
                         help="pin dash-agent to the training core instead of dash-memd's: sender and receiver on "
                              "different cores, as when dash-memd is on another machine (the agent's work then "
@@ -917,6 +981,14 @@ def run(args, wanted, train_core, side_core, separate, procs, scratch, log) -> i
         f"{fmt_bw(state_bytes, limits['loopback_tcp']['time_s'])}")
     limits["disk"] = measure_disk(state_bytes, scratch)
     log(f"  disk write + fsync (in {scratch}): {fmt_bw(state_bytes, limits['disk']['time_s'])}")
+    if not args.no_s3:
+        s3 = measure_object_store(state_bytes, side_core, procs, scratch)
+        if s3 is None:
+            log("  object store: skipped (moto is not installed: pip install 'moto[server]')")
+        else:
+            limits["object_store"] = s3
+            log(f"  object tier -> moto S3 on loopback (core {side_core}): upload "
+                f"{fmt_bw(state_bytes, s3['upload']['time_s'])}, download {fmt_bw(state_bytes, s3['download']['time_s'])}")
 
     variants: list[Variant] = [NoCheckpoint()]
     if "torch.save" in wanted:
@@ -1085,6 +1157,18 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
     md.append(f"| physical limit | – | – | {fmt_ms(mem_t + tcp_t)} (memcpy {fmt_bw(ck_bytes, mem_t)}, then "
               f"loopback TCP {fmt_bw(ck_bytes, tcp_t)}) | {fmt_ms(mem_t + tcp_t + disk_t)} (then disk write+fsync "
               f"{fmt_bw(ck_bytes, disk_t)}) |")
+    if "object_store" in limits:
+        s3 = limits["object_store"]
+        tcp_bw = limits["loopback_tcp"]["bandwidth"]
+        md += ["", f"Object tier, one {state_bytes / MiB:.0f} MiB checkpoint to moto's S3 server on loopback "
+                   f"({s3['part_size'] >> 20} MiB parts, {s3['workers']} at a time, CRC-32C checked both ways; best "
+                   f"of {len(s3['upload']['times_s'])}):",
+               "", "| | bandwidth | vs loopback TCP |", "|---|---:|---:|",
+               f"| upload (`put`) | {s3['upload']['bandwidth'] / GiB:.2f} GiB/s | "
+               f"{s3['upload']['bandwidth'] / tcp_bw:.2f}x |",
+               f"| download (`read_into`) | {s3['download']['bandwidth'] / GiB:.2f} GiB/s | "
+               f"{s3['download']['bandwidth'] / tcp_bw:.2f}x |",
+               f"| loopback TCP (raw) | {tcp_bw / GiB:.2f} GiB/s | 1x |"]
     if ratios.get("targets"):
         md += ["", "| target | measured | met |", "|---|---:|---|"]
         for label, t in ratios["targets"].items():

@@ -38,6 +38,13 @@ def cli() -> None:
               help="Committed checkpoints per job kept in RAM.")
 @click.option("--keep-disk", envvar=env.KEEP_DISK.name, default=3, show_default=True, type=int,
               help="Committed checkpoints per job kept on disk.")
+@click.option("--s3", envvar=env.S3.name, default=None, metavar="s3://BUCKET/PREFIX",
+              help="Also persist every committed checkpoint to this bucket (credentials and endpoint: the standard "
+                   "AWS chain, AWS_ENDPOINT_URL included).")
+@click.option("--keep-object", envvar=env.KEEP_OBJECT.name, default=20, show_default=True, type=int,
+              help="Committed checkpoints per job kept in the object store.")
+@click.option("--upload-queue", default=8, show_default=True, type=int,
+              help="Uploads waiting at most; when full, the oldest is dropped.")
 @click.option("--max-connections", default=256, show_default=True, type=int)
 @click.option("--auth-timeout", default=10.0, show_default=True, type=float,
               help="Seconds a new connection has to authenticate.")
@@ -48,15 +55,16 @@ def cli() -> None:
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Write HOST:PORT here once listening.")
 @click.option("--log-level", default="INFO", show_default=True)
-def start(listen, data_dir, memory_limit, token_file, keep_ram, keep_disk, max_connections, auth_timeout,
-          idle_timeout, shutdown_timeout, ready_file, log_level) -> None:
+def start(listen, data_dir, memory_limit, token_file, keep_ram, keep_disk, s3, keep_object, upload_queue,
+          max_connections, auth_timeout, idle_timeout, shutdown_timeout, ready_file, log_level) -> None:
     """Run dash-memd in the foreground until SIGTERM or SIGINT."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
     config = MemdConfig(
         host=host, port=port, data_dir=Path(data_dir),
         memory_limit=parse_size(memory_limit) if memory_limit else psutil.virtual_memory().total // 2,
-        token=read_token(token_file), keep_ram=keep_ram, keep_disk=keep_disk,
+        token=read_token(token_file), keep_ram=keep_ram, keep_disk=keep_disk, s3=s3, keep_object=keep_object,
+        upload_queue=upload_queue,
         max_connections=max_connections, auth_timeout=auth_timeout, idle_timeout=idle_timeout,
         shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
     )
@@ -82,9 +90,9 @@ def run(config: MemdConfig) -> int:
     server = MemdServer(config)
     server.start()
     log.info(
-        "data dir %s, memory limit %s, keep %d in RAM / %d on disk per job, max %d connections",
+        "data dir %s, memory limit %s, keep %d in RAM / %d on disk%s per job, max %d connections",
         config.data_dir, format_size(config.memory_limit), config.keep_ram, config.keep_disk,
-        config.max_connections)
+        f" / {config.keep_object} in {config.s3}" if config.s3 else "", config.max_connections)
     signum = next_stop_signal()
     log.info("%s: shutting down", signal.Signals(signum).name)
     server.stop()

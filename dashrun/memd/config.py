@@ -21,6 +21,12 @@ class MemdConfig:
     keep_ram: int = 2
     #: committed checkpoints per job kept on disk
     keep_disk: int = 3
+    #: s3://bucket/prefix of the object tier; None: no object tier
+    s3: str | None = None
+    #: committed checkpoints per job kept in the object store
+    keep_object: int = 20
+    #: uploads waiting at most; a full queue drops its oldest
+    upload_queue: int = 8
     #: clients served at once; more are refused with BUSY
     max_connections: int = 256
     #: seconds a new connection has to authenticate
@@ -37,8 +43,11 @@ class MemdConfig:
             raise UsageError(f"port {self.port} out of range")
         if self.memory_limit < 1 << 20:
             raise UsageError("--memory-limit must be at least 1MiB", hint="e.g. --memory-limit 48GiB")
-        if self.keep_ram < 1 or self.keep_disk < 1:
-            raise UsageError("--keep-ram and --keep-disk must be at least 1")
+        if min(self.keep_ram, self.keep_disk, self.keep_object, self.upload_queue) < 1:
+            raise UsageError("--keep-ram, --keep-disk, --keep-object and --upload-queue must be at least 1")
+        if self.s3 is not None and not (self.s3.startswith("s3://") and self.s3[5:].split("/", 1)[0]):
+            raise UsageError(f"--s3 {self.s3!r} is not of the form s3://bucket/prefix",
+                             hint="e.g. --s3 s3://my-bucket/dashrun")
         if self.max_connections < 1:
             raise UsageError("--max-connections must be at least 1")
         if min(self.auth_timeout, self.idle_timeout) <= 0:

@@ -39,8 +39,13 @@ LOCK_FILE = "LOCK"
 class MemdServer:
     def __init__(self, config: MemdConfig):
         self.config = config
+        objects = None
+        if config.s3:
+            from dashrun.memd.objecttier import ObjectTier  # boto3 only when asked for
+            objects = ObjectTier(config.s3)
         self.catalogue = Catalogue(RamTier(config.memory_limit), DiskTier(config.data_dir),
-                                   keep_ram=config.keep_ram, keep_disk=config.keep_disk)
+                                   keep_ram=config.keep_ram, keep_disk=config.keep_disk, objects=objects,
+                                   keep_object=config.keep_object, upload_queue=config.upload_queue)
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._clients: set[socket.socket] = set()
@@ -79,7 +84,10 @@ class MemdServer:
         self.address = listener.getsockname()[:2]
         # Hundreds of mostly idle connection threads: keep their stacks small.
         threading.stack_size(512 << 10)
-        for target, name in ((self._accept_loop, "accept"), (self._disk_loop, "disk-writer")):
+        loops = [(self._accept_loop, "accept"), (self._disk_loop, "disk-writer")]
+        if self.catalogue.objects is not None:
+            loops.append((self._object_loop, "uploader"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=f"memd-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -105,6 +113,7 @@ class MemdServer:
     def stop(self) -> None:
         """Stop serving, then finish pending disk writes within the shutdown timeout."""
         self._stopping.set()
+        self.catalogue.close()
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress
@@ -123,6 +132,11 @@ class MemdServer:
         left = self.catalogue.pending_disk_writes()
         if left:
             log.warning("%d committed checkpoints were not written to disk before shutdown", left)
+        if self.catalogue.objects is not None:
+            if self.catalogue.pending_uploads():
+                log.warning("%d uploads were not done before shutdown; the newest checkpoint of each job on disk "
+                            "goes up at the next start", self.catalogue.pending_uploads())
+            self.catalogue.objects.close()
 
     def _disk_loop(self) -> None:
         while not self._stopping.is_set():
@@ -130,6 +144,14 @@ class MemdServer:
         deadline = time.monotonic() + self.config.shutdown_timeout
         while self.catalogue.pending_disk_writes() and time.monotonic() < deadline:
             self.catalogue.persist_next(timeout=0.1)
+
+    def _object_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.catalogue.object_next(timeout=0.5)
+            except Exception:  # a bug must not stop uploads for good
+                log.exception("object tier: internal error")
+                self._stopping.wait(5.0)
 
     def _accept_loop(self) -> None:
         active = threading.BoundedSemaphore(self.config.max_connections)
@@ -247,7 +269,8 @@ class MemdServer:
         ram = self.catalogue.ram
         ch.send(Kind.OK, {"jobs": self.catalogue.jobs(),
                           "memory": {"used": ram.used, "limit": ram.limit},
-                          "pending_disk_writes": self.catalogue.pending_disk_writes()})
+                          "pending_disk_writes": self.catalogue.pending_disk_writes(),
+                          **self.catalogue.object_status()})
 
     def _put_spec(self, ch: Channel, frame: Frame) -> None:
         spec = frame.body.get("spec")

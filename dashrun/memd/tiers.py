@@ -257,12 +257,16 @@ class DiskTier(Tier):
             if size == 0:
                 yield memoryview(b"")
                 return
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-                view = memoryview(mapped)
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            view = memoryview(mapped)
+            try:
+                yield view
+            finally:
+                view.release()
                 try:
-                    yield view
-                finally:
-                    view.release()
+                    mapped.close()
+                except BufferError:  # a slice is still referenced (by a traceback, say): unmapped when collected
+                    pass
         finally:
             os.close(fd)
 

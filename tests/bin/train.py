@@ -61,6 +61,8 @@ def main():
     parser.add_argument("--early-interval", type=int, default=None, help="interval after an early warning")
     parser.add_argument("--stall-after", type=int, default=None,
                         help="after this step, stop calling save() and sleep (a long evaluation, a hang)")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="end the run after this step, unfinished (its checkpoints committed)")
     args = parser.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -100,7 +102,12 @@ def main():
                 time.sleep(args.delay)
             if args.stall_after is not None and step >= args.stall_after:
                 time.sleep(3600)
-    if ckpt.preempted:  # the state is safe in dash-memd; the relaunch goes on from here
+            if args.stop_after is not None and step >= args.stop_after:
+                break
+    unfinished = args.stop_after is not None and start <= args.stop_after < args.steps - 1
+    if unfinished:
+        ckpt.wait()
+    if ckpt.preempted or unfinished:  # the state is safe in dash-memd; the relaunch goes on from here
         ckpt.close()
         if world > 1:
             dist.destroy_process_group()

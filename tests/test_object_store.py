@@ -1,0 +1,238 @@
+"""dash-memd with an object tier (moto's S3 server): uploads behind the disk, fall-through reads, faults.
+
+The catalogue tests drive one Catalogue by hand (persist, then upload); the
+process tests run dash-memd with ``--s3`` and real training jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, wait_for
+from dashrun.errors import ChecksumError, UnavailableError
+from dashrun.memd.catalogue import Catalogue, State
+from dashrun.memd.objecttier import ObjectTier
+from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.protocol import JobSpec, ShardHeader, crc32c
+from runs import assert_identical, starts
+
+pytest_plugins = ("s3server",)  # s3_server, s3_bucket
+
+LAYOUT = "ab" * 32
+
+
+def headers(job="j", step=1, world=2, rep_total=64 << 10, tail=64):
+    cut = [rep_total * r // world for r in range(world + 1)]
+    return [ShardHeader(job, step, r, world, rep_total, cut[r], cut[r + 1], tail - 16, 16, LAYOUT)
+            for r in range(world)]
+
+
+def checkpoint(cat: Catalogue, step: int, job: str = "j") -> list[bytes]:
+    """Commit ``step`` (every rank's shard), write it to disk, and let the uploader take it up."""
+    payloads = []
+    for header in headers(job, step):
+        payload = os.urandom(header.nbytes)
+        ticket = cat.begin_shard(header)
+        ticket.buffer[:header.nbytes] = payload
+        cat.finish_shard(ticket, crc32c(payload))
+        payloads.append(payload)
+    assert cat.persist_next(timeout=5)
+    return payloads
+
+
+def drain(cat: Catalogue, timeout: float = 60) -> None:
+    """Run queued object-store tasks (the initial listing first), retries included, until none is left."""
+    def done():
+        cat.object_next(timeout=0.2)
+        return cat.object_tasks() == 0
+    wait_for(done, timeout, "the object-store tasks", interval=0)
+
+
+def make_catalogue(tmp_path, url: str, name: str = "data", **kwargs) -> Catalogue:
+    cat = Catalogue(RamTier(8 << 20), DiskTier(tmp_path / name), keep_ram=1, keep_disk=2,
+                    objects=ObjectTier(url, attempts=2, backoff=0.1, request_attempts=2, connect_timeout=2,
+                                       read_timeout=5), **kwargs)
+    cat.load_disk()
+    return cat
+
+
+def read(cat: Catalogue, job: str, step: int, rank: int) -> bytes:
+    with cat.open_shard(job, step, rank) as (view, crc):
+        data = bytes(view)
+    assert crc32c(data) == crc
+    return data
+
+
+def steps_in_bucket(bucket, job="j") -> list[int]:
+    return sorted(int(k.split("/")[-2]) for k in bucket.keys() if k.endswith("MANIFEST.json") and f"/{job}/" in k)
+
+
+def test_checkpoints_move_through_every_state_into_the_bucket(s3_bucket, tmp_path):
+    cat = make_catalogue(tmp_path, s3_bucket.url(), keep_object=3)
+    drain(cat)  # the initial listing: an empty bucket
+    cat.put_spec("j", JobSpec(argv=("train.py",), cwd="/w", host="n1", created=1.0))
+    for step in (1, 2, 3, 4):
+        checkpoint(cat, step)
+        drain(cat)
+    summary = cat.jobs()[0]
+    states = {c["step"]: (c["state"], c["tiers"]) for c in summary["checkpoints"]}
+    assert states[4] == (State.IN_OBJECT_STORE.value, ["disk", "object", "ram"])
+    assert states[3] == (State.IN_OBJECT_STORE.value, ["disk", "object"])
+    assert states[2] == (State.IN_OBJECT_STORE.value, ["object"])       # gone from disk (keep 2), kept in the bucket
+    assert 1 not in states                                              # beyond every tier's retention
+    assert steps_in_bucket(s3_bucket) == [2, 3, 4]
+    assert any(k.endswith("/j/SPEC.json") for k in s3_bucket.keys())
+    assert summary["object_error"] is None and cat.pending_uploads() == 0
+
+
+def test_an_empty_data_dir_restores_from_the_bucket_and_a_corrupt_object_gives_way(s3_bucket, tmp_path):
+    first = make_catalogue(tmp_path, s3_bucket.url())
+    drain(first)
+    first.put_spec("j", JobSpec(argv=("train.py", "--lr", "0.1",), cwd="/w", host="n1", created=1.0))
+    payloads = {}
+    for step in (10, 20):
+        payloads[step] = checkpoint(first, step)
+        drain(first)
+
+    reborn = make_catalogue(tmp_path, s3_bucket.url(), name="empty")
+    with pytest.raises(UnavailableError, match="not listed its object store"):
+        reborn.latest("j")  # it cannot yet say the job has no checkpoint
+    drain(reborn)
+    assert reborn.latest("j").step == 20
+    assert reborn.spec("j").argv == ("train.py", "--lr", "0.1")
+    assert read(reborn, "j", 20, 1) == payloads[20][1]
+    assert reborn.ram.used == 0  # the downloaded shard's buffer went back
+
+    # Rank 0's object of step 20 rots in place: same size, other bytes.
+    key = next(k for k in s3_bucket.keys() if k.endswith("/0000000000000020/rank-00000.bin"))
+    bad = bytearray(payloads[20][0])
+    bad[1234] ^= 0xFF
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=bytes(bad))
+    with pytest.raises(ChecksumError):
+        read(reborn, "j", 20, 0)
+    assert reborn.latest("j").step == 10          # the next older good checkpoint
+    assert read(reborn, "j", 10, 0) == payloads[10][0]
+
+
+def test_a_store_that_is_down_blocks_neither_commits_nor_the_disk(s3_server, s3_bucket, tmp_path):
+    cat = make_catalogue(tmp_path, s3_bucket.url())
+    drain(cat)
+    s3_server.stop()
+    try:
+        checkpoint(cat, 1)
+        checkpoint(cat, 2)  # committed and on disk while the store is unreachable
+        assert cat.latest("j").step == 2 and cat.jobs()[0]["newest"]["state"] == State.ON_DISK.value
+        assert cat.pending_uploads() == 1      # step 2 superseded step 1 in the queue
+        # The uploader fails, shows why, and keeps the task for another try.
+        assert cat.object_next(timeout=1)
+        assert "object store" in cat.jobs()[0]["object_error"]
+    finally:
+        s3_server.start()  # moto holds nothing after a restart: the bucket comes back empty
+    s3_bucket.client.create_bucket(Bucket=s3_bucket.name)
+    checkpoint(cat, 3)  # queued behind the failed upload of step 2, which it supersedes
+    drain(cat)
+    assert steps_in_bucket(s3_bucket) == [3]
+    summary = cat.jobs()[0]
+    assert summary["object_error"] is None and summary["newest"]["tiers"] == ["disk", "object", "ram"]
+
+
+def test_rm_and_gc_reach_the_bucket(s3_bucket, tmp_path):
+    cat = make_catalogue(tmp_path, s3_bucket.url())
+    drain(cat)
+    cat.put_spec("j", JobSpec(argv=("t.py",), cwd="/w", host="n1", created=1.0))
+    for step in (1, 2, 3):
+        checkpoint(cat, step)
+        drain(cat)
+    assert cat.delete("j", keep=1) == [1, 2]
+    drain(cat)
+    assert steps_in_bucket(s3_bucket) == [3]
+    cat.delete("j")
+    drain(cat)
+    assert s3_bucket.keys() == []
+
+
+def test_a_full_upload_queue_drops_its_oldest(s3_bucket, tmp_path):
+    cat = make_catalogue(tmp_path, s3_bucket.url(), upload_queue=2)
+    drain(cat)
+    for job in ("a", "b", "c"):
+        checkpoint(cat, 1, job=job)
+    assert cat.pending_uploads() == 2
+    drain(cat)
+    assert [steps_in_bucket(s3_bucket, job) for job in ("a", "b", "c")] == [[], [1], [1]]
+    # Job a's newest checkpoint stays on disk; it goes up at dash-memd's next start.
+    shutil.copytree(tmp_path / "data", tmp_path / "copy")
+    reborn = make_catalogue(tmp_path, s3_bucket.url(), name="copy")
+    drain(reborn)
+    assert steps_in_bucket(s3_bucket, "a") == [1]
+
+
+# --- dash-memd processes and real jobs ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_memd_lost_with_its_data_dir_the_bucket_resumes_the_job_bit_identical(memd_factory, s3_bucket, tmp_path,
+                                                                               reference):
+    url = s3_bucket.url("team")
+    memd = memd_factory("--memory-limit", "256MiB", "--s3", url)
+    out = tmp_path / "out"
+    args = [str(TRAIN), "--steps", str(REFERENCE_STEPS), "--interval", "5", "--out", str(out)]
+    stop_at = 17
+    first = subprocess.run(dashrun_cmd(memd, *args, "--stop-after", str(stop_at), job="s3-job"),
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    with memd.client() as client:
+        wait_for(lambda: client.list()["jobs"][0]["newest"]["state"] == "in_object_store", 60,
+                 "the newest checkpoint in the bucket")
+        newest = client.latest("s3-job").step
+    assert newest == 14
+
+    memd.kill()
+    shutil.rmtree(memd.data_dir)
+    reborn = memd_factory("--memory-limit", "256MiB", "--s3", url)
+    second = subprocess.run(dashrun_cmd(reborn, *args, job="s3-job"), capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert starts(out) == [0, newest + 1]
+    assert_identical(reference, out)
+    status = subprocess.run([sys.executable, "-m", "dashrun", "status", "--memd", reborn.address, "--token-file",
+                             str(reborn.token_file)], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and url in status.stdout, status.stdout + status.stderr
+
+
+@pytest.mark.slow
+def test_a_corrupt_newest_checkpoint_in_the_bucket_resumes_from_the_one_before(memd_factory, s3_bucket, tmp_path,
+                                                                               reference):
+    url = s3_bucket.url()
+    memd = memd_factory("--memory-limit", "256MiB", "--s3", url)
+    out = tmp_path / "out"
+    args = [str(TRAIN), "--steps", str(REFERENCE_STEPS), "--interval", "5", "--out", str(out)]
+    first = subprocess.run(dashrun_cmd(memd, *args, "--stop-after", "12", job="rot"),
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    with memd.client() as client:
+        wait_for(lambda: [c["state"] for c in client.list()["jobs"][0]["checkpoints"]][-2:]
+                 == ["in_object_store"] * 2, 60, "steps 4 and 9 in the bucket")
+    memd.kill()
+    shutil.rmtree(memd.data_dir)
+    key = next(k for k in s3_bucket.keys() if k.endswith("/0000000000000009/rank-00001.bin"))
+    body = bytearray(s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=bytes(body))
+
+    reborn = memd_factory("--memory-limit", "256MiB", "--s3", url)
+    second = subprocess.run(dashrun_cmd(reborn, *args, job="rot"), capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert starts(out) == [0, 5]  # step 9 failed its checksum: resumed after step 4
+    assert_identical(reference, out)
+    assert "fails its checksum" in reborn.log()
+
+
+def test_memd_refuses_a_bad_bucket_url(tmp_path, token_file):
+    result = subprocess.run([sys.executable, "-m", "dashrun.memd", "start", "--data-dir", str(tmp_path / "d"),
+                             "--token-file", str(token_file), "--s3", "bucket/prefix"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "s3://bucket/prefix" in result.stderr and "Traceback" not in result.stderr

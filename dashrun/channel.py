@@ -31,7 +31,7 @@ from dashrun.protocol import (
 
 #: Bytes moved per send/recv call for bulk data: large enough to amortise the
 #: Python overhead, small enough that the CRC of a chunk is still in cache.
-CHUNK = 8 << 20
+CHUNK = 1 << 20
 
 
 @dataclasses.dataclass

@@ -203,7 +203,6 @@ class Staged:
             self.failed = self.failed or failed
             self.cond.notify_all()
 
-
     def wait_ready(self, end: int) -> None:
         """Block until the shard's first ``end`` bytes are final; raise if the rank gave up or went away."""
         with self.cond:

@@ -220,7 +220,8 @@ class Channel:
                 if crc is None:
                     running = crc32c(piece, running)
                 self._sendall(piece)
-                crash_point("channel.mid_data")
+                if offset == len(piece):  # the frame's first chunk is out
+                    crash_point("channel.mid_data")
         self._sendall(TRAILER.pack(crc if crc is not None else running))
 
     # --- request / reply ------------------------------------------------------

@@ -42,6 +42,7 @@ import time
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 
 from dashrun import env, image, statetree
 from dashrun.agentlink import AgentLink
@@ -135,6 +136,10 @@ def _split(total: int, rank: int, world: int) -> tuple[int, int]:
     def cut(r: int) -> int:
         return min(total, statetree.align(total * r // world))
     return cut(rank), cut(rank + 1)
+
+
+def _in_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def capture_rng() -> dict[str, Any]:
@@ -241,9 +246,7 @@ class Checkpointer:
         self._notice_flag: torch.Tensor | None = None
         self._notice_work = None                 # the all-reduce of every rank's notice, one step behind
         self._notice_group = None
-        import torch.distributed as dist
-
-        if self.world > 1 and not (dist.is_available() and dist.is_initialized()) and self.enabled:
+        if self.world > 1 and not _in_process_group() and self.enabled:
             log.warning("dashrun: WORLD_SIZE is %d but torch.distributed is not initialised: on a preemption "
                         "notice the ranks cannot agree on one step (call init_process_group before Checkpointer)",
                         self.world)
@@ -331,15 +334,14 @@ class Checkpointer:
         notice = self._notice
         level = 0 if notice is None else (_EARLY if notice.early else _PREEMPT)
         deadline = notice.deadline if notice is not None and not notice.early and notice.deadline else None
-        import torch.distributed as dist
-
-        if self.world == 1 or not (dist.is_available() and dist.is_initialized()):
+        if self.world == 1 or not _in_process_group():
             return level, deadline
         agreed, agreed_deadline = 0, None
         if self._notice_work is not None:
             self._notice_work.wait()
-            agreed = int(self._notice_flag[0].item())
-            agreed_deadline = -float(self._notice_flag[1].item()) if self._notice_flag[1] > -_NO_DEADLINE else None
+            agreed_level, negated_deadline = self._notice_flag.tolist()
+            agreed = int(agreed_level)
+            agreed_deadline = -negated_deadline if negated_deadline > -_NO_DEADLINE else None
         if self._notice_group is None:
             self._notice_group = (dist.group.WORLD if dist.get_backend() == "gloo"
                                   else dist.new_group(backend="gloo"))  # collective: every rank, first save()
@@ -611,9 +613,7 @@ class Checkpointer:
     @staticmethod
     def _agree(step: int) -> int:
         """The oldest of the steps the ranks found, so every rank loads the same checkpoint."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not _in_process_group() or dist.get_world_size() == 1:
             return step
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         value = torch.tensor([step], dtype=torch.int64, device=device)

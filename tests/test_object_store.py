@@ -6,7 +6,6 @@ process tests run dash-memd with ``--s3`` and real training jobs.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -18,29 +17,16 @@ from dashrun.errors import ChecksumError, UnavailableError
 from dashrun.memd.catalogue import Catalogue, State
 from dashrun.memd.objecttier import ObjectTier
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import JobSpec, ShardHeader, crc32c
+from dashrun.protocol import JobSpec, crc32c
 from runs import assert_identical, starts
+from test_catalogue import deliver, headers
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
-
-LAYOUT = "ab" * 32
-
-
-def headers(job="j", step=1, world=2, rep_total=64 << 10, tail=64):
-    cut = [rep_total * r // world for r in range(world + 1)]
-    return [ShardHeader(job, step, r, world, rep_total, cut[r], cut[r + 1], tail - 16, 16, LAYOUT)
-            for r in range(world)]
 
 
 def checkpoint(cat: Catalogue, step: int, job: str = "j") -> list[bytes]:
     """Commit ``step`` (every rank's shard), write it to disk, and let the uploader take it up."""
-    payloads = []
-    for header in headers(job, step):
-        payload = os.urandom(header.nbytes)
-        ticket = cat.begin_shard(header)
-        ticket.buffer[:header.nbytes] = payload
-        cat.finish_shard(ticket, crc32c(payload))
-        payloads.append(payload)
+    payloads = [deliver(cat, header)[1] for header in headers(job, step, rep_total=64 << 10)]
     assert cat.persist_next(timeout=5)
     return payloads
 

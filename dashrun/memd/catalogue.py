@@ -203,7 +203,7 @@ class Catalogue:
         for problem in problems:
             log.warning("object tier: %s", problem)
         log.info("catalogue: %d checkpoints of %d jobs in %s", len(infos), len({i.job for i in infos}),
-                 getattr(self.objects, "url", "the object tier"))
+                 self.objects.url)
         return problems
 
     def close(self) -> None:
@@ -453,7 +453,7 @@ class Catalogue:
         """The object tier as ``dashrun status`` shows it."""
         if self.objects is None:
             return {"object_store": None}
-        return {"object_store": getattr(self.objects, "url", self.objects.name), "pending_uploads":
+        return {"object_store": self.objects.url, "pending_uploads":
                 self.pending_uploads(), "object_listed": self._object_scanned, "object_error": self._object_scan_error}
 
     def pending_uploads(self) -> int:

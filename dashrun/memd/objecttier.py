@@ -366,12 +366,6 @@ class ObjectTier(Tier):
                 log.warning("object tier: ignored s3://%s/%s: %s", self.bucket, key, e)
         return found
 
-    def scan(self) -> list[CheckpointInfo]:
-        found, problems = self.scan_report()
-        for problem in problems:
-            log.warning("object tier: %s", problem)
-        return found
-
     def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
         """(complete checkpoints, what was skipped and why); changes nothing in the store."""
         prefix = f"{self.root}/jobs/"

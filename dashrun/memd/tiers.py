@@ -58,8 +58,15 @@ class Tier(abc.ABC):
         """Forget a checkpoint; a no-op if the tier does not hold it."""
 
     @abc.abstractmethod
+    def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
+        """(every complete, verified checkpoint the tier holds; what was skipped, and why)."""
+
     def scan(self) -> list[CheckpointInfo]:
-        """Every complete, verified checkpoint the tier holds."""
+        """Every complete, verified checkpoint the tier holds; what was skipped is logged."""
+        found, problems = self.scan_report()
+        for problem in problems:
+            log.warning("%s tier: %s", self.name, problem)
+        return found
 
 
 # --- RAM -------------------------------------------------------------------------
@@ -174,8 +181,8 @@ class RamTier(Tier):
             for buf in held[1]:
                 self.release(buf)
 
-    def scan(self) -> list[CheckpointInfo]:
-        return [info for info, _ in list(self._held.values())]
+    def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
+        return [info for info, _ in list(self._held.values())], []
 
 
 # --- disk --------------------------------------------------------------------------
@@ -312,12 +319,6 @@ class DiskTier(Tier):
                 raise ChecksumError(f"{path.name} has the wrong size")
             if file_crc(path) != shard.crc:
                 raise ChecksumError(f"{path.name} fails its checksum")
-
-    def scan(self) -> list[CheckpointInfo]:
-        found, problems = self.scan_report()
-        for problem in problems:
-            log.warning("disk tier: %s", problem)
-        return found
 
     def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
         """(verified checkpoints, what was skipped and why). Removes leftovers of interrupted writes."""

@@ -102,6 +102,10 @@ class AgentLink:
         except errors.DashError as e:
             with self._lock:
                 self._drop(ch, e if isinstance(e, UnavailableError) else UnavailableError(str(e)))
+        except Exception as e:  # the reader is gone: requests waiting on it fail now instead of at their timeout
+            with self._lock:
+                self._drop(ch, UnavailableError(f"the connection to dash-agent failed: {e!r}"))
+            raise
 
     def _drop(self, ch: Channel | None, err: errors.DashError) -> None:
         """Forget a broken connection and fail what waited on it (call with the lock held)."""

@@ -239,13 +239,14 @@ class Checkpointer:
         if not self.enabled:
             log.warning("dashrun.Checkpointer: not launched by dashrun (%s is unset): checkpointing is off",
                         env.AGENT_SOCKET.name if not self._socket else env.JOB_ID.name)
-        self._link = AgentLink(self._socket, on_notice=self._on_notice) if self.enabled else None
-        if self._link is not None:
-            self._link.request(Kind.PING)  # connect now: a notice the agent already has reaches us at once
+        # Set before the link exists: its reader thread may deliver a notice the moment it connects.
         self._notice: NoticeInfo | None = None    # the most serious notice this node's agent pushed
         self._notice_flag: torch.Tensor | None = None
         self._notice_work = None                 # the all-reduce of every rank's notice, one step behind
         self._notice_group = None
+        self._link = AgentLink(self._socket, on_notice=self._on_notice) if self.enabled else None
+        if self._link is not None:
+            self._link.request(Kind.PING)  # connect now: a notice the agent already has reaches us at once
         if self.world > 1 and not _in_process_group() and self.enabled:
             log.warning("dashrun: WORLD_SIZE is %d but torch.distributed is not initialised: on a preemption "
                         "notice the ranks cannot agree on one step (call init_process_group before Checkpointer)",

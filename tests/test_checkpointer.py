@@ -19,7 +19,7 @@ from dashrun.checkpointer import Checkpointer
 from dashrun.errors import UnavailableError
 from dashrun.protocol import Kind, ShardHeader
 
-from conftest import wait_for
+from conftest import load_fake_metadata, wait_for
 
 
 class Cursor:
@@ -215,6 +215,28 @@ def test_restore_without_an_agent_fails_loudly(rank_env, monkeypatch):
     with pytest.raises(UnavailableError, match="cannot restore"):
         ckpt.restore()                                  # never silently starts from scratch
     ckpt.close()
+
+
+def test_a_rank_that_starts_after_the_notice_takes_the_emergency_checkpoint_at_once(memd, agent_factory,
+                                                                                   rank_env, monkeypatch):
+    """The agent pushes a notice it already has the moment a rank connects, before any reply."""
+    monkeypatch.setattr(checkpointer_module, "RESTORE_TIMEOUT", 10.0)  # a lost reply fails here, not in 2 min
+    fake = load_fake_metadata().FakeMetadata("gcp").start()
+    try:
+        fake.notice()
+        agent = agent_factory(memd, {"DASH_CLOUD": "gcp", "DASH_METADATA_ENDPOINT": fake.url,
+                                     "DASH_POLL_INTERVAL": "0.1"})
+        wait_for(lambda: "preempt notice" in agent.log(), 30, "the agent to see the notice")
+        model, opt, _ = trained_objects()
+        for attempt in range(20):  # the notice races the rank's own start-up: give the race chances to show
+            ckpt = rank_env(agent, "late", 0, 1, model=model, optimizer=opt)
+            assert ckpt.restore() == attempt  # the step after the last emergency checkpoint
+            assert ckpt.save(attempt) and ckpt.preempted, f"attempt {attempt}: the notice was lost"
+            ckpt.close()
+            with memd.client() as client:
+                assert client.latest("late").step == attempt
+    finally:
+        fake.stop()
 
 
 def test_a_dead_memd_is_reported_once_and_the_next_save_retries(memd, agent_factory, rank_env, caplog):

@@ -36,17 +36,16 @@ from dashrun import image
 from dashrun.channel import Channel, Frame
 from dashrun.client import MemdClient
 from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, UnavailableError
-from dashrun.files import write_atomic
+from dashrun.files import unmap, write_atomic
 from dashrun.protocol import (
-    MAX_STEP, MAX_WORLD, CheckpointInfo, Kind, NoticeInfo, ShardHeader, field_bool, field_float, field_int,
-    field_job, field_step,
+    MAX_STEP, MAX_WORLD, PREEMPTED_FILE, CheckpointInfo, Kind, NoticeInfo, ShardHeader, field_bool, field_float,
+    field_int, field_job, field_step,
 )
 
 log = logging.getLogger(__name__)
 
 #: Longest a handed-over shard may wait for its rank's next staging progress.
 STAGING_TIMEOUT = 300.0
-PREEMPTED_FILE = "preempted.json"
 #: Corrupt newest checkpoints a restore skips before it gives up.
 CORRUPT_FALLBACKS = 5
 
@@ -155,10 +154,7 @@ class RestoreCache:
                 with memoryview(mapped) as view:
                     image.fetch(client, info, view, tails)
             finally:
-                try:
-                    mapped.close()
-                except BufferError:  # a slice outlives the error raised over it: unmapped when collected
-                    pass
+                unmap(mapped)
             log.info("fetched %s step %d (%d bytes) in %.2fs", info.job, info.step, info.nbytes,
                      time.monotonic() - started)
         except BaseException:
@@ -233,19 +229,12 @@ class SegmentMaps:
             mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
         self._maps[key] = mapped  # most recently used last
         while len(self._maps) > self.KEEP:
-            self._close(self._maps.pop(next(iter(self._maps))))
+            unmap(self._maps.pop(next(iter(self._maps))))
         return memoryview(mapped)[:nbytes]
-
-    @staticmethod
-    def _close(mapped: mmap.mmap) -> None:
-        try:
-            mapped.close()
-        except BufferError:
-            pass  # still being sent; it goes when its last view does
 
     def close(self) -> None:
         for mapped in self._maps.values():
-            self._close(mapped)
+            unmap(mapped)
         self._maps.clear()
 
 
@@ -453,7 +442,7 @@ class AgentServer:
         info = NoticeInfo(kind=notice.kind.value, cloud=notice.cloud, early=notice.early_warning,
                           deadline=notice.deadline, node=self.config.node)
         with self._lock:
-            if self.notice is not None and (info.early or not self.notice.early):
+            if not info.outranks(self.notice):
                 return  # nothing more serious than what the ranks already know
             self.notice, self._cloud_notice = info, notice
             connections = list(self._connections)

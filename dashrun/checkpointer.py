@@ -48,6 +48,7 @@ from dashrun import env, image, statetree
 from dashrun.agentlink import AgentLink
 from dashrun.errors import DashError, UnavailableError, UsageError
 from dashrun.faults import crash_point
+from dashrun.files import unmap
 from dashrun.protocol import CheckpointInfo, Kind, NoticeInfo, ShardHeader
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ FORCED_SAVE_TIMEOUT = 120.0
 #: long one waits for it when the deadline is unknown.
 EMERGENCY_MARGIN = 2.0
 EMERGENCY_TIMEOUT = 120.0
-_EARLY, _PREEMPT = 1, 2
 _NO_DEADLINE = 1e18
 #: The background copy works in pieces of this size, and tells the agent its progress about this often.
 PIECE = 8 << 20
@@ -101,10 +101,7 @@ class SharedBuffer:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         del self.tensor
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with it
+        unmap(self._map)
         os.close(self.fd)
 
 
@@ -277,9 +274,9 @@ class Checkpointer:
         if not self.enabled or self.preempted:
             return False
         level, deadline = self._agreed_notice()
-        if level >= _PREEMPT:
+        if level >= NoticeInfo.PREEMPT:
             return self._emergency(step, deadline)
-        interval = min(self.interval, self.early_interval) if level >= _EARLY else self.interval
+        interval = min(self.interval, self.early_interval) if level >= NoticeInfo.EARLY else self.interval
         if not force and self._last_step is not None and step - self._last_step < interval:
             return False
         if not force and self._last_step is None and (step + 1) % interval:
@@ -314,7 +311,7 @@ class Checkpointer:
             notice = NoticeInfo.from_body(body)
         except DashError:
             return
-        if self._notice is not None and (notice.early or not self._notice.early):
+        if not notice.outranks(self._notice):
             return
         self._notice = notice
         if notice.early:
@@ -333,7 +330,7 @@ class Checkpointer:
         agree without waiting on the network: every rank acts at the same step.
         """
         notice = self._notice
-        level = 0 if notice is None else (_EARLY if notice.early else _PREEMPT)
+        level = 0 if notice is None else notice.severity
         deadline = notice.deadline if notice is not None and not notice.early and notice.deadline else None
         if self.world == 1 or not _in_process_group():
             return level, deadline

@@ -129,4 +129,3 @@ def from_code(code: str, message: str) -> DashError:
     if cls is RemoteError:
         err.code = ErrorCode.INTERNAL
     return err
-

@@ -1,11 +1,21 @@
-"""Atomic, durable file writes: temp file, fsync, rename, fsync the directory."""
+"""Atomic, durable file writes (temp file, fsync, rename, fsync the directory), and closing file mappings."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 _CHUNK = 8 << 20
+
+
+def unmap(mapped: mmap.mmap) -> None:
+    """Close a mapping; if a view of it is still alive (a slice being sent, one a traceback holds), the
+    mapping goes when that view is collected instead of failing here."""
+    try:
+        mapped.close()
+    except BufferError:
+        pass
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

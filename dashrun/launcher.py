@@ -34,7 +34,7 @@ from dashrun import env
 from dashrun.errors import AuthError, DashError, ExitCode, UnavailableError, UsageError
 from dashrun.embedded import PrivateMemd
 from dashrun.memd.config import DEFAULT_PORT
-from dashrun.protocol import JobSpec
+from dashrun.protocol import PREEMPTED_FILE, JobSpec
 from dashrun.units import parse_address, read_token
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,6 @@ AGENT_POLL_INTERVAL = 0.5
 AGENT_MAX_RESTARTS = 10
 #: Seconds to wait for an unreachable dash-memd before giving up at launch.
 MEMD_WAIT = 30.0
-#: Written by the agent when this node must stop (see agent.server.PREEMPTED_FILE: the agent is a
-#: separate program and dashrun never imports it).
-PREEMPTED_FILE = "preempted.json"
 PREEMPTION_POLL = 0.2
 #: Ranks still running this long before a notice's deadline are stopped.
 STOP_MARGIN = 5.0
@@ -92,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"where Spot interruption notices come from (env {env.CLOUD.name}; default auto: detect "
                             "quickly, none when no metadata service answers).")
     group.add_argument("--metadata-endpoint", "--metadata_endpoint", default=env.get(env.METADATA_ENDPOINT),
-                       metavar="URL", help=f"base URL of the cloud's metadata service (env {env.METADATA_ENDPOINT.name};"
-                                           " AWS_EC2_METADATA_SERVICE_ENDPOINT and GCE_METADATA_HOST work too).")
+                       metavar="URL", help=f"base URL of the cloud's metadata service (env "
+                                           f"{env.METADATA_ENDPOINT.name}; AWS_EC2_METADATA_SERVICE_ENDPOINT and "
+                                           "GCE_METADATA_HOST work too).")
     group.add_argument("--poll-interval", "--poll_interval", type=float, default=env.get(env.POLL_INTERVAL),
                        metavar="SECONDS", help=f"seconds between metadata polls (env {env.POLL_INTERVAL.name}; "
                                                "default: each cloud's).")

@@ -50,6 +50,8 @@ MAX_BYTES = 1 << 50
 MAX_STEP = (1 << 53) - 1
 MAX_WORLD = 1 << 16
 MAX_FDS = 4
+#: Beside the agent's socket: the agent's record that this node must stop, which dashrun watches.
+PREEMPTED_FILE = "preempted.json"
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -373,6 +375,17 @@ class NoticeInfo:
     early: bool
     deadline: float | None
     node: str = ""
+
+    #: ``severity``: an early warning, then a notice that the node goes away
+    EARLY, PREEMPT = 1, 2
+
+    @property
+    def severity(self) -> int:
+        return self.EARLY if self.early else self.PREEMPT
+
+    def outranks(self, known: NoticeInfo | None) -> bool:
+        """Whether this notice tells more than ``known`` (the most serious one received so far)."""
+        return known is None or self.severity > known.severity
 
     def to_body(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

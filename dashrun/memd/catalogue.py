@@ -365,14 +365,10 @@ class Catalogue:
         doomed = [e for e in on_disk[self.keep_disk:] if e.readers == 0]
         for entry in doomed:
             entry.tiers.discard("disk")
-            if "object" in entry.tiers:
-                if "ram" in entry.tiers:
-                    self._release_ram(entry)
-            elif "ram" in entry.tiers:
+            if "object" not in entry.tiers:
                 self._forget(entry)
-            else:
-                self._committed[job].pop(entry.step, None)
-                entry.dropped = True
+            elif "ram" in entry.tiers:
+                self._release_ram(entry)
         return doomed
 
     def _trim_object(self, job: str) -> None:
@@ -382,8 +378,7 @@ class Catalogue:
             entry.tiers.discard("object")
             self._queue_object(ObjectTask("delete", job, entry.step))
             if not entry.tiers:
-                self._committed[job].pop(entry.step, None)
-                entry.dropped = True
+                self._forget(entry)
 
     # --- persisting -------------------------------------------------------------------
 
@@ -575,8 +570,7 @@ class Catalogue:
                               "instead", entry.job, entry.step, e)
                     entry.tiers.discard("object")
                     if not entry.tiers:
-                        self._committed.get(entry.job, {}).pop(entry.step, None)
-                        entry.dropped = True
+                        self._forget(entry)
             raise
         except BaseException:
             self.ram.release(buffer)

@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 
 from dashrun.errors import ChecksumError, NoSpaceError, NotFoundError, ProtocolError
 from dashrun.faults import crash_point
-from dashrun.files import fsync_dir, write_atomic, write_new
+from dashrun.files import fsync_dir, unmap, write_atomic, write_new
 from dashrun.protocol import CheckpointInfo, JobSpec, crc32c, valid_job_id
 
 log = logging.getLogger(__name__)
@@ -270,10 +270,7 @@ class DiskTier(Tier):
                 yield view
             finally:
                 view.release()
-                try:
-                    mapped.close()
-                except BufferError:  # a slice is still referenced (by a traceback, say): unmapped when collected
-                    pass
+                unmap(mapped)
         finally:
             os.close(fd)
 

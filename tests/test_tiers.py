@@ -1,11 +1,15 @@
 """One conformance suite, run against every tier (RAM, disk, object storage)."""
 
+import ctypes
+import mmap
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 from dashrun.errors import NotFoundError
+from dashrun.files import write_new
 from dashrun.memd.objecttier import ObjectTier
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.protocol import CheckpointInfo, ShardHeader, crc32c
@@ -24,6 +28,34 @@ def make_checkpoint(job="job-a", step=10, world=3, rep_total=3000, tail=100):
         shards.append(ShardHeader(job, step, rank, world, rep_total, cut[rank], cut[rank + 1], tail - 20, 20,
                                   LAYOUT, crc=crc32c(payload)))
     return CheckpointInfo(job, step, world, rep_total, LAYOUT, time.time(), tuple(shards)), data
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages the page cache holds (mincore(2) on a mapping of it)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(mapped)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        del anchor
+        return sum(v & 1 for v in vec)
+    finally:
+        mapped.close()
+
+
+def direct_io_works(where) -> bool:
+    try:
+        fd = os.open(where / ".direct-probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(where / ".direct-probe")
+    return True
 
 
 class TierConformance:
@@ -133,6 +165,40 @@ class TestDiskTier(TierConformance):
         assert "0000000000000003: incomplete" in text
         assert "0000000000000004: corrupt" in text and "0000000000000005: corrupt" in text
         assert "interrupted write" in text and not leftover.exists()
+
+    def test_shards_from_ram_buffers_are_written_past_the_page_cache(self, tmp_path):
+        # dash-memd holds the bytes in RAM already; caching them again costs a copy into fresh pages.
+        ram = RamTier(64 << 20)
+        size = (4 << 20) + 4096 * 3 + 123            # an unaligned tail goes through the page cache
+        buf = ram.reserve(size)
+        payload = os.urandom(size)
+        buf[:size] = payload
+        header = ShardHeader("job-a", 7, 0, 1, size, 0, size, 0, 0, LAYOUT, crc=crc32c(payload))
+        info = CheckpointInfo("job-a", 7, 1, size, LAYOUT, time.time(), (header,))
+        disk = DiskTier(tmp_path / "d")
+        disk.put(info, [memoryview(buf)[:size]])
+        path = disk.step_dir("job-a", 7) / "rank-00000.bin"
+        if not direct_io_works(tmp_path):
+            pytest.skip(f"{tmp_path} has no O_DIRECT")
+        assert cached_pages(path) <= 1, "the shard was written through the page cache"
+        buffered = tmp_path / "buffered"
+        buffered.write_bytes(payload)
+        assert cached_pages(buffered) > size // 4096 // 2   # the measure sees what the page cache holds
+        with disk.open("job-a", 7, 0) as view:
+            assert view == payload
+        assert [i.step for i in DiskTier(tmp_path / "d").scan()] == [7]
+
+    def test_a_buffer_that_cannot_go_direct_is_written_through_the_page_cache(self, tmp_path):
+        for where in (tmp_path, Path("/dev/shm")):      # an ext4 or so, and a tmpfs (no O_DIRECT at all)
+            if not where.is_dir():
+                continue
+            target = where / f"dash-write-{os.getpid()}"
+            payload = os.urandom((1 << 20) + 5)
+            try:
+                write_new(target, payload, bypass_cache=True)              # bytes: read-only, not aligned
+                assert target.read_bytes() == payload
+            finally:
+                target.unlink(missing_ok=True)
 
     def test_files_are_owner_only(self, tmp_path):
         disk = DiskTier(tmp_path / "d")

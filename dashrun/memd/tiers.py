@@ -232,7 +232,7 @@ class DiskTier(Tier):
         tmp.mkdir()
         try:
             for shard, data in zip(info.shards, shards, strict=True):
-                write_new(tmp / f"rank-{shard.rank:05d}.bin", data[:shard.nbytes])
+                write_new(tmp / f"rank-{shard.rank:05d}.bin", data[:shard.nbytes], bypass_cache=True)
                 crash_point("disk.mid_write", job=info.job, step=info.step)
             manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "checkpoint": info.to_body()}
             write_new(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())

@@ -293,7 +293,9 @@ def launch(memd, ssh_config: Path, hostfile: Path, *args: str, job: str, env: di
     return subprocess.Popen(
         [sys.executable, "-m", "dashrun", "--hostfile", str(hostfile), "--ssh-config", str(ssh_config),
          "--memd", memd.address, "--token-file", str(memd.token_file), "--job-id", job,
-         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *args],
+         # The rendezvous on the first host, as by default, on a free port: it hosts the store, so the test's
+         # hosts (one machine, one address) do not race for it.
+         "--master-port", str(free_port()), *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -39,7 +38,7 @@ def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o6
     that keep the bytes in RAM themselves: through the page cache they would
     be copied once more into freshly allocated pages, several times the CPU
     time and memory traffic of the write itself. Where the file system or the
-    buffer does not allow it, the write goes through the page cache.
+    buffer's alignment does not allow it, the write goes through the page cache.
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
@@ -54,8 +53,6 @@ def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o6
 
 def _write_direct(fd: int, view: memoryview) -> int:
     """Write block-aligned ``view`` at the start of ``fd`` with O_DIRECT; returns the bytes written that way."""
-    if not view or _address(view) % _BLOCK:
-        return 0
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
@@ -63,22 +60,15 @@ def _write_direct(fd: int, view: memoryview) -> int:
         return 0
     written = 0
     try:
+        # An unaligned buffer (bytes, say) fails with EINVAL before anything is written; what is left goes buffered.
         while written < len(view):
             written += os.write(fd, view[written:written + _CHUNK])
     except OSError as e:
-        if e.errno != errno.EINVAL:  # EINVAL: this file system wants another alignment; the rest goes buffered
+        if e.errno != errno.EINVAL:
             raise
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     return written
-
-
-def _address(view: memoryview) -> int:
-    """Where ``view``'s bytes start in memory; -1 (unaligned) for a read-only buffer, which ctypes cannot map."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except TypeError:
-        return -1
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600) -> None:

@@ -4,11 +4,12 @@
 next forward/backward — module buffers, RNG states, scheduler and data
 cursor — is copied at once into a reused shared-memory buffer; it is small.
 Parameters and optimizer state change only in ``optimizer.step()``, so their
-copy runs on a background thread beside the next forward/backward, and a
-pre-hook on every optimizer's ``step()`` waits for it: the training step is
-blocked only if the copy is slower than a forward/backward. On CUDA the
-buffer is pinned and the copy runs on a side stream that the compute stream
-waits for on the GPU, not on the CPU.
+copy runs on a background thread beside the next forward/backward (with
+streaming stores where it can, see dashrun.staging), and a pre-hook on every
+optimizer's ``step()`` waits for it: the training step is blocked only if
+the copy is slower than a forward/backward. On CUDA the buffer is pinned and
+the copy runs on a side stream that the compute stream waits for on the GPU,
+not on the CPU.
 
 State that every rank holds alike (``model``, ``optimizer``, ``scheduler``
 and other keywords, as with DDP) is *replicated*: its bytes are laid out
@@ -44,7 +45,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from dashrun import env, image, statetree
+from dashrun import env, image, staging, statetree
 from dashrun.agentlink import AgentLink
 from dashrun.errors import DashError, UnavailableError, UsageError
 from dashrun.faults import crash_point
@@ -490,7 +491,7 @@ class Checkpointer:
                 for index, (leaf, first, end, offset) in enumerate(copies):
                     if index == len(copies) // 2:
                         crash_point("rank.staging", rank=self.rank, step=snapshot.step)
-                    stage[offset:offset + end - first].copy_(statetree.byte_view(leaf)[first:end])
+                    staging.copy_into(stage[offset:offset + end - first], statetree.byte_view(leaf)[first:end])
                     done = offset + end - first
                     if done - reported >= PROGRESS_EVERY and index + 1 < len(copies):
                         self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": done})

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dashrun import checkpointer as checkpointer_module
+from dashrun import staging
 from dashrun.agentlink import AgentLink
 from dashrun.checkpointer import Checkpointer
 from dashrun.errors import UnavailableError
@@ -95,6 +96,38 @@ def test_round_trip_restores_every_object(stack, rank_env):
     assert same_state(model, model2) and same_state(opt, opt2)
     assert sched2.state_dict() == sched.state_dict() and cursor.position == 41
     opt2.step()  # the restored optimizer state is owned, not a view of the restore image
+    ckpt.close()
+
+
+@pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built or not x86-64")
+def test_large_tensors_are_staged_with_streaming_stores_and_restore_exactly(stack, rank_env, monkeypatch):
+    _, agent = stack
+    torch.manual_seed(3)
+    model = torch.nn.Linear(512, 512)                     # 1 MiB of weights: well past memcpy's range
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    streamed = []
+    helper = staging._ntcopy
+
+    class Recording:
+        STREAMING = helper.STREAMING
+
+        @staticmethod
+        def copy(dst, src, nbytes):
+            streamed.append(nbytes)
+            helper.copy(dst, src, nbytes)
+
+    monkeypatch.setattr(staging, "_ntcopy", Recording)
+    ckpt = rank_env(agent, "streamed", 0, 1, model=model, optimizer=opt)
+    assert ckpt.save(0, force=True) and ckpt.wait(timeout=60)
+    ckpt.close()
+    assert sum(streamed) >= 3 * 512 * 512 * 4             # weights and both AdamW moments
+    model2 = torch.nn.Linear(512, 512)
+    opt2 = torch.optim.AdamW(model2.parameters())
+    ckpt = rank_env(agent, "streamed", 0, 1, model=model2, optimizer=opt2)
+    assert ckpt.restore() == 1
+    assert same_state(model, model2) and same_state(opt, opt2)
     ckpt.close()
 
 

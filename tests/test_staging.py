@@ -1,0 +1,55 @@
+"""The staging copy: streaming stores (dashrun._ntcopy) give the same bytes as torch's copy_."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from dashrun import staging
+
+needs_helper = pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built or not x86-64")
+
+
+def test_the_helper_is_built_where_it_can_be():
+    if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
+        pytest.skip("no C compiler here: dashrun stages with torch's copy_")
+    assert staging._ntcopy is not None, "pip install -e . should have built dashrun._ntcopy"
+    assert staging.streaming == (platform.machine() in ("x86_64", "AMD64"))
+
+
+@needs_helper
+@pytest.mark.parametrize("nbytes", [0, 1, 15, 64, 65535, 65536 + 7, 65536 + 64 + 63, (1 << 20) + 13])
+@pytest.mark.parametrize("dst_shift,src_shift", [(0, 0), (1, 0), (3, 5), (15, 1), (16, 9)])
+def test_streamed_copy_is_exact_and_stays_in_its_range(nbytes, dst_shift, src_shift):
+    gen = torch.Generator().manual_seed(nbytes * 31 + dst_shift)
+    src = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8, generator=gen)
+    dst = torch.full((nbytes + 64,), 0xA5, dtype=torch.uint8)
+    staging.copy_into(dst[dst_shift:dst_shift + nbytes], src[src_shift:src_shift + nbytes])
+    assert torch.equal(dst[dst_shift:dst_shift + nbytes], src[src_shift:src_shift + nbytes])
+    assert bool((dst[:dst_shift] == 0xA5).all()) and bool((dst[dst_shift + nbytes:] == 0xA5).all())
+
+
+def test_what_cannot_be_streamed_is_copied_by_torch(monkeypatch):
+    src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    strided = src[::2]                                    # not contiguous
+    dst = torch.zeros(strided.numel(), dtype=torch.uint8)
+    staging.copy_into(dst, strided)
+    assert torch.equal(dst, strided)
+    monkeypatch.setattr(staging, "streaming", False)      # the path without the helper
+    dst2 = torch.zeros(src.numel(), dtype=torch.uint8)
+    staging.copy_into(dst2, src)
+    assert torch.equal(dst2, src)
+
+
+@needs_helper
+def test_the_helper_refuses_nonsense_arguments():
+    with pytest.raises(ValueError):
+        staging._ntcopy.copy(0, 0, 16)
+    with pytest.raises(ValueError):
+        staging._ntcopy.copy(1, 1, -1)
+    with pytest.raises(TypeError):
+        staging._ntcopy.copy("a", 1, 1)

@@ -6,10 +6,12 @@ a SNAPSHOT frame with the shared-memory segment's file descriptor attached
 has its own sender thread and its own connection to dash-memd, which streams
 the segment straight from the agent's mapping of it (memoryview sends, no
 copy in user space; ``sendfile`` measured no faster on loopback) and answers
-the rank — "your buffer may be
-reused" — once dash-memd has stored and verified the shard. The agent holds
-its own descriptor of the segment, so a shard handed over is still delivered
-if its rank dies right after.
+the rank — "your buffer may be reused" — once dash-memd has stored and
+verified the shard. The checksum dash-memd verifies is the rank's, computed as
+it staged (sent with its last PROGRESS), so the agent makes no pass of its own
+over the bytes; a rank without dashrun's C helper leaves it to the agent. The
+agent holds its own descriptor of the segment, so a shard handed over is still
+delivered if its rank dies right after.
 
 RESTORE fetches a committed checkpoint from dash-memd once per node into a
 new segment that every local rank maps, so a node downloads the state once
@@ -189,15 +191,27 @@ class Staged:
     view: memoryview
     ready: int  # bytes [0, ready) of the shard are final
     emergency: bool = False  # taken because of an interruption notice
+    checksum: bool = False  # the rank computes the shard's CRC-32C as it stages and sends it when done
+    crc: int | None = None
     failed: bool = False
     cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
-    def advance(self, ready: int | None = None, failed: bool = False) -> None:
+    def advance(self, ready: int | None = None, failed: bool = False, crc: int | None = None) -> None:
         with self.cond:
             if ready is not None:
                 self.ready = max(self.ready, min(ready, self.header.nbytes))
+            if crc is not None:
+                self.crc = crc
             self.failed = self.failed or failed
             self.cond.notify_all()
+
+    def rank_crc(self) -> int:
+        """The rank's checksum of the whole shard, once it has staged it (dash-memd verifies it)."""
+        self.wait_ready(self.header.nbytes)
+        with self.cond:
+            if self.crc is None:
+                raise ProtocolError("the rank staged its shard without the checksum it announced")
+            return self.crc
 
     def wait_ready(self, end: int) -> None:
         """Block until the shard's first ``end`` bytes are final; raise if the rank gave up or went away."""
@@ -305,14 +319,17 @@ class RankConnection:
                 return
             self.who = f"{header.job} rank {header.rank}"
             staged = Staged(request_id, header, view, field_int(frame.body, "ready", 0, header.nbytes),
-                            emergency=field_bool(frame.body, "emergency", default=False))
+                            emergency=field_bool(frame.body, "emergency", default=False),
+                            checksum=field_bool(frame.body, "checksum", default=False))
             self._staging[request_id] = staged
             self._snapshots.put(staged)
         elif frame.kind == Kind.PROGRESS:
             staged = self._staging.get(request_id)
             if staged is not None:
                 failed = frame.body.get("failed") is True
-                staged.advance(None if failed else field_int(frame.body, "ready", 0, staged.header.nbytes), failed)
+                crc = field_int(frame.body, "crc", 0, 0xFFFFFFFF) if frame.body.get("crc") is not None else None
+                staged.advance(None if failed else field_int(frame.body, "ready", 0, staged.header.nbytes), failed,
+                               crc)
         elif frame.kind == Kind.RESTORE:
             threading.Thread(target=self._restore, args=(request_id, frame.body), daemon=True).start()
         elif frame.kind == Kind.WAIT:
@@ -345,13 +362,14 @@ class RankConnection:
 
     def _put_with_retry(self, client: MemdClient, staged: Staged) -> dict[str, Any]:
         node = self.agent.config.node
+        crc = staged.rank_crc if staged.checksum else None
         try:
-            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node)
+            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node, crc=crc)
         except UnavailableError:
             if staged.failed:
                 raise
             # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
-            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node)
+            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node, crc=crc)
 
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:

@@ -188,12 +188,14 @@ class Channel:
 
     def send(self, kind: Kind, body: dict[str, Any] | None = None, *,
              data: Iterable[memoryview | bytes] | None = None, fds: Sequence[int] = (),
-             crc: int | None = None, gate: Callable[[int], None] | None = None) -> None:
+             crc: int | Callable[[], int] | None = None, gate: Callable[[int], None] | None = None) -> None:
         """Send a frame; ``data`` goes out as it is, from the caller's memory (no copy in user space).
 
-        ``crc`` skips recomputing a known checksum. ``gate(end)`` is called before
-        each chunk with the data offset the chunk ends at, and returns once those
-        bytes are final: a shard can stream while its rank is still staging it.
+        ``crc`` skips computing the data's checksum: a known value, or a function
+        that gives it once the data is out (the rank's, computed as it staged).
+        ``gate(end)`` is called before each chunk with the data offset the chunk
+        ends at, and returns once those bytes are final: a shard can stream while
+        its rank is still staging it. The receiver verifies the checksum.
         """
         parts = [memoryview(p).cast("B") for p in data] if data is not None else []
         data_len = sum(len(p) for p in parts)
@@ -222,6 +224,8 @@ class Channel:
                 self._sendall(piece)
                 if offset == len(piece):  # the frame's first chunk is out
                     crash_point("channel.mid_data")
+        if callable(crc):
+            crc = crc()
         self._sendall(TRAILER.pack(crc if crc is not None else running))
 
     # --- request / reply ------------------------------------------------------

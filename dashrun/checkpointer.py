@@ -474,8 +474,11 @@ class Checkpointer:
             snapshot.handed.set()
             log.error("dashrun: the checkpoint of step %d cannot be staged: %s", snapshot.step, e)
             return
+        # The rank checksums as it copies (on CPU, with dashrun's C helper); otherwise the agent does.
+        checksum = staging.checksums and snapshot.gpu_done is None
         snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body(), "ready": 0,
-                                                             "emergency": snapshot.emergency},
+                                                             "emergency": snapshot.emergency,
+                                                             "checksum": checksum},
                                              fds=[snapshot.buffer.fd])
         snapshot.handed.set()
         crash_point("rank.handoff", rank=self.rank, step=snapshot.step)
@@ -487,22 +490,35 @@ class Checkpointer:
                 self._stage_cuda(snapshot, copies)
                 snapshot.gpu_done.synchronize()  # bytes in host memory before the agent reads them
             else:
-                reported = 0
+                # The copies run in shard order; the CRC also covers the alignment gaps between them and
+                # the description at the end, read back from the buffer.
+                crc = 0 if checksum else None
+                reported = done = 0
                 for index, (leaf, first, end, offset) in enumerate(copies):
                     if index == len(copies) // 2:
                         crash_point("rank.staging", rank=self.rank, step=snapshot.step)
-                    staging.copy_into(stage[offset:offset + end - first], statetree.byte_view(leaf)[first:end])
+                    if crc is not None:
+                        if offset < done:
+                            raise RuntimeError("the shard's copies are out of order")
+                        crc = staging.crc_of(stage[done:offset], crc)
+                    crc = staging.copy_into(stage[offset:offset + end - first], statetree.byte_view(leaf)[first:end],
+                                            crc)
                     done = offset + end - first
                     if done - reported >= PROGRESS_EVERY and index + 1 < len(copies):
                         self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": done})
                         reported = done
+                if crc is not None:
+                    crc = staging.crc_of(stage[done:snapshot.header.nbytes], crc)
         except BaseException as e:
             snapshot.copied.set()
             self._link.notify(Kind.PROGRESS, {"id": request_id, "failed": True})
             log.error("dashrun: staging the checkpoint of step %d failed: %s", snapshot.step, e)
             return
         snapshot.copied.set()
-        self._link.notify(Kind.PROGRESS, {"id": request_id, "ready": snapshot.header.nbytes})
+        final = {"id": request_id, "ready": snapshot.header.nbytes}
+        if checksum:
+            final["crc"] = crc
+        self._link.notify(Kind.PROGRESS, final)
 
     def _stage_cuda(self, snapshot: Snapshot, copies) -> None:
         if self._side_stream is None:

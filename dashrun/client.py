@@ -75,14 +75,16 @@ class MemdClient:
         return self._request(lambda ch: ch.call(Kind.PING).body)
 
     def put_shard(self, header: ShardHeader, parts: Sequence[memoryview | bytes], *,
-                  gate: Callable[[int], None] | None = None, node: str | None = None) -> dict[str, Any]:
+                  gate: Callable[[int], None] | None = None, node: str | None = None,
+                  crc: Callable[[], int] | None = None) -> dict[str, Any]:
         """Send a shard's bytes (``parts``, in order); returns {committed, crc} once dash-memd stored them.
 
-        ``gate`` lets the bytes stream while they are still being staged (see Channel.send).
+        ``gate`` lets the bytes stream while they are still being staged; ``crc``, the sender's checksum
+        of them, known once they are (see Channel.send).
         """
         def run(ch: Channel):
             ch.call(Kind.PUT_SHARD, {**header.to_body(), "node": node})
-            ch.send(Kind.SHARD_DATA, {}, data=parts, gate=gate)
+            ch.send(Kind.SHARD_DATA, {}, data=parts, gate=gate, crc=crc)
             return ch.expect_reply().body
         return self._request(run)
 

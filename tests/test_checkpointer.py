@@ -112,11 +112,17 @@ def test_large_tensors_are_staged_with_streaming_stores_and_restore_exactly(stac
 
     class Recording:
         STREAMING = helper.STREAMING
+        CHECKSUMS = helper.CHECKSUMS
 
         @staticmethod
         def copy(dst, src, nbytes):
             streamed.append(nbytes)
             helper.copy(dst, src, nbytes)
+
+        @staticmethod
+        def copy_crc(dst, src, nbytes, crc):
+            streamed.append(nbytes)
+            return helper.copy_crc(dst, src, nbytes, crc)
 
     monkeypatch.setattr(staging, "_ntcopy", Recording)
     ckpt = rank_env(agent, "streamed", 0, 1, model=model, optimizer=opt)
@@ -128,6 +134,59 @@ def test_large_tensors_are_staged_with_streaming_stores_and_restore_exactly(stac
     ckpt = rank_env(agent, "streamed", 0, 1, model=model2, optimizer=opt2)
     assert ckpt.restore() == 1
     assert same_state(model, model2) and same_state(opt, opt2)
+    ckpt.close()
+
+
+def _final_progress(ckpt, monkeypatch) -> list[dict]:
+    """The PROGRESS notes a Checkpointer sends its agent that announce the whole shard staged."""
+    sent = []
+    notify = ckpt._link.notify
+
+    def recording(kind, body):
+        if kind == Kind.PROGRESS and body.get("ready") is not None:
+            sent.append(dict(body))
+        return notify(kind, body)
+
+    monkeypatch.setattr(ckpt._link, "notify", recording)
+    return sent
+
+
+@pytest.mark.skipif(not staging.checksums, reason="dashrun._ntcopy not built, not x86-64 or no SSE4.2")
+def test_the_rank_checksums_its_shard_and_dash_memd_verifies_that_checksum(stack, rank_env, monkeypatch):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    ckpt = rank_env(agent, "rankcrc", 0, 1, model=model, optimizer=opt, scheduler=sched, data=Cursor(3))
+    sent = _final_progress(ckpt, monkeypatch)
+    assert ckpt.save(5, force=True) and ckpt.wait(timeout=60)
+    with memd.client() as client:
+        info = client.latest("rankcrc")
+    assert info.step == 5
+    assert [b.get("crc") for b in sent if b["ready"] == info.shards[0].nbytes] == [info.shards[0].crc]
+
+    # A checksum that does not match the bytes: dash-memd refuses the shard, the previous checkpoint stays.
+    real_crc_of = staging.crc_of
+    monkeypatch.setattr(staging, "crc_of", lambda region, crc: real_crc_of(region, crc) ^ 1)
+    assert ckpt.save(10, force=True)
+    assert not ckpt.wait(timeout=60)
+    with memd.client() as client:
+        assert client.latest("rankcrc").step == 5
+    monkeypatch.setattr(staging, "crc_of", real_crc_of)
+    assert ckpt.save(15, force=True) and ckpt.wait(timeout=60)  # and the next one is stored again
+    ckpt.close()
+
+
+def test_without_the_rank_checksum_the_agent_computes_it(stack, rank_env, monkeypatch):
+    memd, agent = stack
+    monkeypatch.setattr(staging, "checksums", False)
+    model, opt, sched = trained_objects()
+    ckpt = rank_env(agent, "agentcrc", 0, 1, model=model, optimizer=opt, scheduler=sched, data=Cursor(3))
+    sent = _final_progress(ckpt, monkeypatch)
+    assert ckpt.save(5, force=True) and ckpt.wait(timeout=60)
+    assert sent and all("crc" not in b for b in sent)
+    ckpt.close()
+    model2, opt2, sched2 = fresh_objects()
+    ckpt = rank_env(agent, "agentcrc", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    assert ckpt.restore() == 6 and same_state(model, model2) and same_state(opt, opt2)
     ckpt.close()
 
 

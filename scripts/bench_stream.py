@@ -2,9 +2,10 @@
 """How fast one checkpoint streams into dash-memd when sender and dash-memd share a core.
 
 In ``bench_checkpoint.py`` dash-agent and dash-memd share the second core, so
-the agent's send and dash-memd's receive and CRC run one after the other. This benchmark measures that stream alone, from a shard already staged
-in shared memory, side by side in one run with what a bare sender/receiver
-pair of processes does on the same bytes:
+the agent's send and dash-memd's receive and CRC run one after the other.
+This benchmark measures that stream alone, from a shard already staged in
+shared memory, side by side in one run with what a bare sender/receiver pair
+of processes does on the same bytes:
 
 * dash-memd: a real dash-memd and MemdClient.put_shard (what dash-agent calls),
   both pinned to one core; each round waits until the shard is on disk, so

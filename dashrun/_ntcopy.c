@@ -7,17 +7,26 @@
  * data to make room; streaming stores do neither. On the build machine this takes
  * a 257 MiB staging copy from ~50 to ~33 ms of CPU on the training core.
  *
- * copy_crc also computes the bytes' CRC-32C as it copies, from the registers the
- * copy loaded them into, in three independent chains whose results are combined:
- * the checksum then costs the rank almost nothing and dash-agent no pass of its
- * own over the segment.
+ * The same loop computes the bytes' CRC-32C from the registers it copied them
+ * through, in three independent chains whose results are combined: the checksum
+ * then costs the rank nothing measurable and dash-agent no pass of its own over
+ * the segment.
  *
- * Optional: when it cannot be built, dashrun stages with torch's copy_.
+ * x86-64 with SSE4.2 only (STREAMING says so at import). Optional: where it is
+ * not built or not usable, dashrun stages with torch's copy_ and the agent
+ * checksums.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#include <nmmintrin.h>
+#define X86_64 1
+/* Below this, the copy stays in the cache anyway and memcpy is as good. */
+#define MIN_STREAM 65536
 
 /* CRC-32C (Castagnoli), reflected, as the crc32c package and dashrun's wire format compute it. */
 #define POLY 0x82f63b78u
@@ -66,42 +75,8 @@ static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b)
     return multmodp(x2nmodp(len_b, 3), crc_a) ^ crc_b;
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h>
-#include <nmmintrin.h>
-#define STREAMING 1
-/* Below this, the copy stays in the cache anyway and memcpy is as good. */
-#define MIN_STREAM 65536
 
-static void stream_copy(char *dst, const char *src, size_t n)
-{
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;  /* movntdq needs an aligned destination */
-    if (n < MIN_STREAM + head) {
-        memcpy(dst, src, n);
-        return;
-    }
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    for (size_t blocks = n / 64; blocks; blocks--) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-        src += 64;
-        dst += 64;
-    }
-    /* Streaming stores are weakly ordered: make them visible before the rank tells the agent. */
-    _mm_sfence();
-    memcpy(dst, src, n % 64);
-}
-
-static int have_crc32;  /* SSE4.2, checked once at import */
+static int usable;  /* the CPU has SSE4.2 (CRC-32C), checked once at import */
 
 __attribute__((target("sse4.2")))
 static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n)
@@ -162,6 +137,7 @@ static uint32_t stream_copy_crc(char *dst, const char *src, size_t n, uint32_t c
         cb = block64(dst + stripe + off, src + stripe + off, cb);
         cc = block64(dst + 2 * stripe + off, src + 2 * stripe + off, cc);
     }
+    /* Streaming stores are weakly ordered: make them visible before the rank tells the agent. */
     _mm_sfence();
     /* What is left after the three stripes' blocks (under 3 x 64 bytes) continues chain c. */
     memcpy(dst + 3 * stripe, src + 3 * stripe, n - 3 * stripe);
@@ -170,42 +146,9 @@ static uint32_t stream_copy_crc(char *dst, const char *src, size_t n, uint32_t c
     return crc_combine(crc_ab, crc_c, n - 2 * stripe);
 }
 #else
-#define STREAMING 0
-static int have_crc32;
-static uint32_t crc_bytes_sw(uint32_t crc, const unsigned char *p, size_t n)
-{
-    crc = ~crc;
-    while (n--) {
-        crc ^= *p++;
-        for (int k = 0; k < 8; k++)
-            crc = crc & 1 ? (crc >> 1) ^ POLY : crc >> 1;
-    }
-    return ~crc;
-}
-
-static void stream_copy(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
-static uint32_t stream_copy_crc(char *dst, const char *src, size_t n, uint32_t crc)
-{
-    memcpy(dst, src, n);
-    return crc_bytes_sw(crc, (const unsigned char *)dst, n);
-}
+#define X86_64 0
+static int usable;
 #endif
-
-static PyObject *copy(PyObject *self, PyObject *args)
-{
-    unsigned long long dst, src;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "KKn:copy", &dst, &src, &n))
-        return NULL;
-    if (n < 0 || !dst || !src) {
-        PyErr_SetString(PyExc_ValueError, "copy needs two addresses and a length >= 0");
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    stream_copy((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
 
 static PyObject *copy_crc(PyObject *self, PyObject *args)
 {
@@ -218,24 +161,24 @@ static PyObject *copy_crc(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "copy_crc needs two addresses and a length >= 0");
         return NULL;
     }
-    if (!have_crc32) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no CRC-32C instruction (see CHECKSUMS)");
+    if (!usable) {
+        PyErr_SetString(PyExc_RuntimeError, "not an x86-64 CPU with SSE4.2 (see STREAMING)");
         return NULL;
     }
-    uint32_t out;
+    uint32_t out = crc;
+#if X86_64
     Py_BEGIN_ALLOW_THREADS
     out = stream_copy_crc((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n, crc);
     Py_END_ALLOW_THREADS
+#endif
     return PyLong_FromUnsignedLong(out);
 }
 
 static PyMethodDef methods[] = {
-    {"copy", copy, METH_VARARGS,
-     "copy(dst_address, src_address, nbytes): copy bytes between non-overlapping buffers, "
-     "bypassing the cache for the destination. The caller vouches for both ranges."},
     {"copy_crc", copy_crc, METH_VARARGS,
-     "copy_crc(dst_address, src_address, nbytes, crc) -> crc: copy as copy() does and return the running "
-     "CRC-32C ``crc`` extended over the bytes."},
+     "copy_crc(dst_address, src_address, nbytes, crc) -> crc: copy bytes between non-overlapping buffers, "
+     "bypassing the cache for the destination, and return the running CRC-32C ``crc`` extended over them. "
+     "The caller vouches for both ranges."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -246,14 +189,13 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__ntcopy(void)
 {
+#if X86_64
     init_x2n();
-#if STREAMING
     __builtin_cpu_init();
-    have_crc32 = __builtin_cpu_supports("sse4.2");
+    usable = __builtin_cpu_supports("sse4.2") != 0;
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "STREAMING", STREAMING) < 0
-              || PyModule_AddIntConstant(m, "CHECKSUMS", STREAMING && have_crc32) < 0)) {
+    if (m && PyModule_AddIntConstant(m, "STREAMING", usable) < 0) {
         Py_DECREF(m);
         return NULL;
     }

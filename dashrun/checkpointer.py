@@ -475,7 +475,7 @@ class Checkpointer:
             log.error("dashrun: the checkpoint of step %d cannot be staged: %s", snapshot.step, e)
             return
         # The rank checksums as it copies (on CPU, with dashrun's C helper); otherwise the agent does.
-        checksum = staging.checksums and snapshot.gpu_done is None
+        checksum = staging.streaming and snapshot.gpu_done is None
         snapshot.result = self._link.request(Kind.SNAPSHOT, {"shard": snapshot.header.to_body(), "ready": 0,
                                                              "emergency": snapshot.emergency,
                                                              "checksum": checksum},

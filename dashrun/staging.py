@@ -4,9 +4,9 @@ The staged bytes are written once and never read again by the rank: the agent
 reads them from the segment. An ordinary copy reads every destination line
 into the cache before writing it and evicts the training's own data; with
 non-temporal stores (dashrun's C helper ``dashrun._ntcopy``, built at install
-where a C compiler is present, x86-64 only) the copy costs the training core
-about a quarter less CPU. The same loop computes the bytes' CRC-32C from the
-registers it copies through, so the rank hands over its shard with the
+where a C compiler is present; x86-64 with SSE4.2) the copy costs the training
+core a quarter or more less CPU. The same loop computes the bytes' CRC-32C from
+the registers it copies through, so the rank hands over its shard with the
 checksum dash-memd verifies, and dash-agent makes no pass of its own over the
 segment. Elsewhere it is torch's ``copy_`` and the agent checksums as it sends.
 """
@@ -24,10 +24,9 @@ try:
 except ImportError:  # not built (no C compiler at install): torch's copy_ does the work
     _ntcopy = None
 
-#: Whether copy_into uses streaming stores; tests and benchmarks may turn it off to compare.
+#: Whether copy_into streams and checksums with the helper (and so the rank hands over its checksum);
+#: tests and benchmarks may turn it off to compare.
 streaming = bool(_ntcopy is not None and _ntcopy.STREAMING)
-#: Whether the rank checksums its shard as it stages it (else dash-agent does, as it sends).
-checksums = bool(streaming and _ntcopy.CHECKSUMS)
 
 
 def _streamable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -57,10 +56,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, crc: int | None = None) -> i
     """
     if not dst.numel() and not src.numel():
         return crc
-    if streaming and _streamable(dst, src):
-        if crc is not None and checksums:
-            return _ntcopy.copy_crc(dst.data_ptr(), src.data_ptr(), dst.numel(), crc)
-        _ntcopy.copy(dst.data_ptr(), src.data_ptr(), dst.numel())
-    else:
-        dst.copy_(src)
+    if streaming and _streamable(dst, src):  # the checksum comes free with the copy
+        extended = _ntcopy.copy_crc(dst.data_ptr(), src.data_ptr(), dst.numel(), crc or 0)
+        return None if crc is None else extended
+    dst.copy_(src)
     return None if crc is None else crc32c(bytes_of(dst), crc)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The rank's staging copy: streaming stores (dashrun._ntcopy) against torch's copy_, side by side.
+"""The rank's staging copy: streaming stores with the checksum (dashrun._ntcopy) against torch's copy_, side by side.
 
 The rank copies the model and optimizer state into its shared-memory buffer
 on the training core while training goes on. This benchmark copies the same
@@ -68,8 +68,9 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    if staging._ntcopy is None or not staging._ntcopy.STREAMING:
-        print("dashrun._ntcopy is not built here (no C compiler at install, or not x86-64): nothing to compare")
+    if not staging.streaming:
+        print("dashrun._ntcopy is not built or not usable here (no C compiler at install, or not x86-64 with "
+              "SSE4.2): nothing to compare")
         return 1
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[0]})
@@ -83,7 +84,7 @@ def main() -> int:
     dst.fill_(0)
     print(f"{nbytes / 2**20:.1f} MiB in {PIECE >> 20} MiB pieces, {args.rounds} rounds per engine after a warm-up, "
           f"copy on core {cores[0]}")
-    engines = {"torch copy_": False, "streaming stores": True}
+    engines = {"torch copy_": False, "streaming + CRC": True}
 
     def compare(label: str, during=None) -> dict[str, float]:
         times = {name: [] for name in engines}

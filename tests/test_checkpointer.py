@@ -99,7 +99,7 @@ def test_round_trip_restores_every_object(stack, rank_env):
     ckpt.close()
 
 
-@pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built or not x86-64")
+@pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built, or not x86-64 with SSE4.2")
 def test_large_tensors_are_staged_with_streaming_stores_and_restore_exactly(stack, rank_env, monkeypatch):
     _, agent = stack
     torch.manual_seed(3)
@@ -112,12 +112,6 @@ def test_large_tensors_are_staged_with_streaming_stores_and_restore_exactly(stac
 
     class Recording:
         STREAMING = helper.STREAMING
-        CHECKSUMS = helper.CHECKSUMS
-
-        @staticmethod
-        def copy(dst, src, nbytes):
-            streamed.append(nbytes)
-            helper.copy(dst, src, nbytes)
 
         @staticmethod
         def copy_crc(dst, src, nbytes, crc):
@@ -151,7 +145,7 @@ def _final_progress(ckpt, monkeypatch) -> list[dict]:
     return sent
 
 
-@pytest.mark.skipif(not staging.checksums, reason="dashrun._ntcopy not built, not x86-64 or no SSE4.2")
+@pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built, or not x86-64 with SSE4.2")
 def test_the_rank_checksums_its_shard_and_dash_memd_verifies_that_checksum(stack, rank_env, monkeypatch):
     memd, agent = stack
     model, opt, sched = trained_objects()
@@ -177,7 +171,7 @@ def test_the_rank_checksums_its_shard_and_dash_memd_verifies_that_checksum(stack
 
 def test_without_the_rank_checksum_the_agent_computes_it(stack, rank_env, monkeypatch):
     memd, agent = stack
-    monkeypatch.setattr(staging, "checksums", False)
+    monkeypatch.setattr(staging, "streaming", False)
     model, opt, sched = trained_objects()
     ckpt = rank_env(agent, "agentcrc", 0, 1, model=model, optimizer=opt, scheduler=sched, data=Cursor(3))
     sent = _final_progress(ckpt, monkeypatch)

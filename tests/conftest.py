@@ -206,6 +206,26 @@ def agent_factory(short_tmp, tmp_path):
         agent.stop()
 
 
+@pytest.fixture
+def rank_env(monkeypatch):
+    """Build a Checkpointer as rank ``rank`` of ``world`` (ranks simulated in one process), talking to ``agent``."""
+    from dashrun.checkpointer import Checkpointer
+
+    def make(agent, job, rank, world, **objects) -> Checkpointer:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+        monkeypatch.setenv("DASH_AGENT_SOCKET", str(agent.socket_path) if agent else "/nonexistent/agent.sock")
+        monkeypatch.setenv("DASH_JOB_ID", job)
+        return Checkpointer(interval=5, **objects)
+    return make
+
+
+@pytest.fixture
+def stack(memd, agent_factory):
+    return memd, agent_factory(memd)
+
+
 #: The reference run: the uninterrupted job every interrupted one is compared with.
 REFERENCE_STEPS = 30
 

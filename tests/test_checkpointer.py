@@ -16,7 +16,6 @@ import torch
 from dashrun import checkpointer as checkpointer_module
 from dashrun import staging
 from dashrun.agentlink import AgentLink
-from dashrun.checkpointer import Checkpointer
 from dashrun.errors import UnavailableError
 from dashrun.protocol import Kind, ShardHeader
 
@@ -56,23 +55,6 @@ def same_state(a, b) -> bool:
         return sa["param_groups"] == sb["param_groups"] and all(
             torch.equal(sa["state"][k][n], sb["state"][k][n]) for k in sa["state"] for n in sa["state"][k])
     return all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-@pytest.fixture
-def rank_env(monkeypatch):
-    def make(agent, job, rank, world, **objects) -> Checkpointer:
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
-        monkeypatch.setenv("DASH_AGENT_SOCKET", str(agent.socket_path) if agent else "/nonexistent/agent.sock")
-        monkeypatch.setenv("DASH_JOB_ID", job)
-        return Checkpointer(interval=5, **objects)
-    return make
-
-
-@pytest.fixture
-def stack(memd, agent_factory):
-    return memd, agent_factory(memd)
 
 
 def save_world(rank_env, agent, job, world, step, model, opt, sched, positions):

@@ -58,6 +58,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep per step")
     parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: each rank on its local GPU, NCCL, "
+                        "deterministic kernels (so that runs compare bit for bit)")
     parser.add_argument("--early-interval", type=int, default=None, help="interval after an early warning")
     parser.add_argument("--stall-after", type=int, default=None,
                         help="after this step, stop calling save() and sleep (a long evaluation, a hang)")
@@ -66,12 +68,19 @@ def main():
     args = parser.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:
-        dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic GEMMs
+        torch.use_deterministic_algorithms(True)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    distributed = world > 1 or cuda  # on CUDA always NCCL, even for one rank
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(0)
     random.seed(0)
-    model = TiedNet(width=args.width)
-    if world > 1:
+    model = TiedNet(width=args.width).to(device)
+    if distributed:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
@@ -86,7 +95,7 @@ def main():
         log.write(f"start {start}\n")
         log.flush()
         for step in range(start, args.steps):
-            tokens, target = cursor.next()
+            tokens, target = (t.to(device) for t in cursor.next())
             loss = nn.functional.cross_entropy(model(tokens), target) + 1e-3 * random.random()
             opt.zero_grad()
             loss.backward()
@@ -109,17 +118,17 @@ def main():
         ckpt.wait()
     if ckpt.preempted or unfinished:  # the state is safe in dash-memd; the relaunch goes on from here
         ckpt.close()
-        if world > 1:
+        if distributed:
             dist.destroy_process_group()
         return
     ckpt.wait()
-    module = model.module if world > 1 else model
+    module = model.module if distributed else model
     torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "cursor": cursor.state_dict(), "rng": torch.get_rng_state(), "py_rng": random.getstate(),
                 "stats": vars(ckpt.stats)},
                os.path.join(args.out, f"final-rank{rank}.pt"))
     ckpt.close()
-    if world > 1:
+    if distributed:
         dist.destroy_process_group()
 
 

@@ -3,22 +3,25 @@
 
 One run, one model on one GPU (an MLP whose fp32 parameters and AdamW state
 hold ``--size-mib``), a real dash-memd and dash-agent on loopback. Blocks of
-``--interval`` steps, each ending in a checkpoint (or not, for the baseline),
-are interleaved round-robin so that the machine's drift hits every variant
-alike; every block ends with ``torch.cuda.synchronize()``, so a block's time
-includes whatever the GPU still had to do for it.
+``--interval`` steps, a checkpoint (none for the baseline) and one step more
+(whose optimizer step dashrun makes wait for its copy) are interleaved
+round-robin so that the machine's drift hits every variant alike; every block
+ends with ``torch.cuda.synchronize()``, so a block's time includes whatever
+the GPU still had to do for it.
 
 Per variant: the stall per checkpoint (the time the training loop was blocked:
 dashrun's ``ckpt.stats``, torch.save's save + fsync, async_save's call), the
 added training time per checkpoint (median block time minus the baseline's),
-and for dashrun the time until the checkpoint is committed in dash-memd's RAM;
-next to the physical limit for that: the device-to-host copy of the same bytes
-into pinned memory, then loopback TCP. The
-training process should have the GPU to itself.
+and for dashrun the time until the checkpoint is committed in dash-memd's RAM,
+from ``save()`` and from when the GPU had run the steps queued before it (the
+CPU runs ahead of the GPU, and no checkpoint can leave before its state
+exists), next to the physical limit: the device-to-host copy of the same bytes
+into pinned memory, then loopback TCP. The training process should have the
+GPU to itself.
 
 Usage::
 
-    python3 scripts/bench_cuda.py [--size-mib 2048] [--rounds 4] [--interval 10] [--batch 4096]
+    python3 scripts/bench_cuda.py [--size-mib 2048] [--rounds 4] [--warmup 3] [--interval 10] [--batch 4096]
 """
 
 from __future__ import annotations
@@ -182,7 +185,10 @@ class Daemons:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=float, default=2048, help="parameters + AdamW state (default 2048)")
-    parser.add_argument("--rounds", type=int, default=4, help="measured blocks per variant (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=4, help="measured blocks per variant (default 4)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="blocks per variant before those (default 3: dashrun's two staging buffers and "
+                             "dash-memd's pool of three are touched and pinned once, not per checkpoint)")
     parser.add_argument("--interval", type=int, default=10, help="steps per block; one checkpoint each")
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -222,11 +228,22 @@ def main() -> int:
     def dashrun_save():
         started = time.perf_counter()
         ckpt.save(counter[0], force=True)
-        return {"started": started, "step": counter[0]}
+        # The state is final once the GPU has run the steps queued before save(): the CPU runs ahead of
+        # the GPU, so the checkpoint cannot leave before then. Timed apart (internals, for the profile only).
+        snapshot, final = ckpt._current, {}
+
+        def until_final():
+            if snapshot.gpu_ready is not None:
+                snapshot.gpu_ready.synchronize()
+            final["at"] = time.perf_counter()
+
+        watcher = threading.Thread(target=until_final, daemon=True)
+        watcher.start()
+        return {"started": started, "step": counter[0], "final": final, "watcher": watcher}
 
     variants = {"no checkpoint": None, "torch.save + fsync": torch_save, "DCP async_save": dcp_save,
                 "dashrun": dashrun_save}
-    for rnd in range(args.rounds + 1):
+    for rnd in range(args.warmup + args.rounds):
         for name, save in variants.items():
             sync(device)
             started = time.perf_counter()
@@ -244,10 +261,13 @@ def main() -> int:
             sync(device)
             record = {"block": time.perf_counter() - started, "stall": stall}
             if name == "dashrun" and waiter.wait("bench-cuda", extra["step"], 120):
-                record["ram"] = time.perf_counter() - extra["started"]
+                committed = time.perf_counter()
+                extra["watcher"].join()
+                record["ram"] = committed - extra["started"]
+                record["gpu_backlog"] = extra["final"]["at"] - extra["started"]
             if name == "DCP async_save" and pending_dcp[0] is not None:
                 pending_dcp[0].result()  # its writer never spills into another variant's block
-            if rnd:  # the first round warms up
+            if rnd >= args.warmup:
                 for key, value in record.items():
                     results.setdefault(name, {}).setdefault(key, []).append(value)
     ckpt.wait()
@@ -264,7 +284,7 @@ def main() -> int:
     name_of = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name_of}, torch {torch.__version__}; MLP {shape['layers']}x{shape['width']}, batch {shape['batch']}, "
           f"{nbytes / (1 << 20):.0f} MiB of fp32 parameters + AdamW state; a checkpoint every {args.interval} "
-          f"steps; {args.rounds} blocks per variant")
+          f"steps; {args.rounds} blocks per variant after {args.warmup} to warm up")
     base = statistics.median(results["no checkpoint"]["block"])
     print("| | stall per checkpoint | per GiB | added training time per checkpoint | safe in dash-memd RAM after |")
     print("|---|---:|---:|---:|---:|")
@@ -273,10 +293,18 @@ def main() -> int:
         r = results[name]
         stall = statistics.median(r["stall"])
         added = statistics.median(r["block"]) - base
-        ram = f"{statistics.median(r['ram']) * 1e3:.0f} ms" if r.get("ram") else "–"
+        ram = "–"
+        if r.get("ram"):
+            ram = (f"{statistics.median(r['ram']) * 1e3:.0f} ms; "
+                   f"{statistics.median(a - b for a, b in zip(r['ram'], r['gpu_backlog'])) * 1e3:.0f} ms "
+                   "after the GPU finished the step")
         print(f"| {name} | {stall * 1e3:.1f} ms | {stall * 1e3 / gib:.1f} ms | {added * 1e3:.0f} ms | {ram} |")
     print(f"| physical limit | – | – | – | {(d2h + tcp) * 1e3:.0f} ms (device-to-host into pinned memory "
           f"{gib / d2h:.1f} GiB/s, then loopback TCP {gib / tcp:.2f} GiB/s) |")
+    d = results["dashrun"]
+    print("dashrun per block: stall " + ", ".join(f"{t * 1e3:.1f}" for t in d["stall"]) + " ms; GPU work still "
+          "queued at save() " + ", ".join(f"{t * 1e3:.0f}" for t in d.get("gpu_backlog", [])) + " ms; in dash-memd "
+          "RAM after " + ", ".join(f"{t * 1e3:.0f}" for t in d.get("ram", [])) + " ms")
     return 0
 
 

@@ -25,7 +25,8 @@ class Var:
 
 MEMD = Var("DASH_MEMD", "HOST:PORT of dash-memd", "user", "dashrun, dash-agent")
 TOKEN_FILE = Var("DASH_TOKEN_FILE", "file holding the cluster's shared token", "user", "dashrun, dash-agent, dash-memd")
-JOB_ID = Var("DASH_JOB_ID", "the job's stable id; a relaunch with the same id resumes", "user, dashrun", "dashrun, ranks")
+JOB_ID = Var("DASH_JOB_ID", "the job's stable id; a relaunch with the same id resumes", "user, dashrun",
+             "dashrun, ranks")
 FRESH = Var("DASH_FRESH", "'1': delete the job's earlier checkpoints and start from step 0", "user", "dashrun")
 AGENT_SOCKET = Var("DASH_AGENT_SOCKET", "path of this node's dash-agent Unix socket", "dashrun", "ranks, dash-agent")
 CLOUD = Var("DASH_CLOUD", "where notices come from: auto, aws, gcp, azure, none", "user", "dashrun, dash-agent")

@@ -231,7 +231,6 @@ def measure_memcpy(nbytes: int, rounds: int = 5) -> dict:
             started = time.perf_counter()
             copy()
             times[name].append(time.perf_counter() - started)
-    del src, dst
     per_engine = {name: timings(nbytes, t[1:]) for name, t in times.items()}  # the first round warms up
     best = min(per_engine, key=lambda name: per_engine[name]["time_s"])
     return {**per_engine[best], "engine": best, "engines": per_engine}
@@ -1006,7 +1005,8 @@ def run(args, wanted, train_core, side_core, separate, procs, scratch, log) -> i
         else:
             limits["object_store"] = s3
             log(f"  object tier -> moto S3 on loopback (core {side_core}): upload "
-                f"{fmt_bw(state_bytes, s3['upload']['time_s'])}, download {fmt_bw(state_bytes, s3['download']['time_s'])}")
+                f"{fmt_bw(state_bytes, s3['upload']['time_s'])}, "
+                f"download {fmt_bw(state_bytes, s3['download']['time_s'])}")
 
     variants: list[Variant] = [NoCheckpoint()]
     if "torch.save" in wanted:
@@ -1062,7 +1062,8 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
         se = f" ± {fmt_ms(s['added_stderr_s'])} s.e." if s["added_stderr_s"] is not None else ""
         print(f"{label}: stall per checkpoint median {fmt_ms(s['stall_median_s'])} (mean {fmt_ms(s['stall_mean_s'])},"
               f" max {fmt_ms(s['stall_max_s'])}); added training time per checkpoint "
-              f"{fmt_ms(s['added_per_checkpoint_s'])}{se} (median {fmt_ms(s['added_paired_median_s'])}; against all baseline blocks "
+              f"{fmt_ms(s['added_per_checkpoint_s'])}{se} (median {fmt_ms(s['added_paired_median_s'])}; "
+              "against all baseline blocks "
               f"{fmt_ms(s['added_vs_all_baseline_blocks_s'])}); on disk after "
               f"{fmt_ms(s['on_disk_median_s'])}")
         print(f"  of the added time per checkpoint: CPU time of the training process "
@@ -1092,7 +1093,8 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
     print(f"physical limits for {ck_bytes / MiB:.1f} MiB (best of repeats; median in brackets): memcpy "
           f"{fmt_ms(mem_t)} ({limits['memcpy']['bandwidth'] / GiB:.2f} GiB/s; "
           f"{limits['memcpy']['median_bandwidth'] / GiB:.2f}), loopback TCP {fmt_ms(tcp_t)} "
-          f"({limits['loopback_tcp']['bandwidth'] / GiB:.2f} GiB/s; {limits['loopback_tcp']['median_bandwidth'] / GiB:.2f})"
+          f"({limits['loopback_tcp']['bandwidth'] / GiB:.2f} GiB/s; "
+          f"{limits['loopback_tcp']['median_bandwidth'] / GiB:.2f})"
           f", disk write+fsync {fmt_ms(disk_t)} ({limits['disk']['bandwidth'] / GiB:.2f} GiB/s; "
           f"{limits['disk']['median_bandwidth'] / GiB:.2f})")
     foreign_pct = 100 * cpu["foreign_s"] / (cpu["wall_s"] * cpu["cores"])
@@ -1156,7 +1158,8 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
            f"{rounds} checkpoints per variant measured after {args.warmup} warm-up ones, variants interleaved. "
             f"torch {torch.__version__}. Other processes used {foreign_pct:.0f}% of the CPUs meanwhile."),
           "",
-          "| | stall per checkpoint | added training time per checkpoint | safe in remote RAM after | safe on disk after |",
+          "| | stall per checkpoint | added training time per checkpoint | safe in remote RAM after "
+          "| safe on disk after |",
           "|---|---:|---:|---:|---:|",
           f"| no checkpointing | – | – ({args.steps} steps: {base['block_mean_s'] * rounds:.1f} s) | – | – |"]
     if "torch.save" in summary:

@@ -284,7 +284,8 @@ def assert_token_absent(token: bytes, wire: bytes) -> None:
     for form in forms:
         # not even a 12-byte piece of it, in any encoding we can think of
         for start in range(0, len(form) - 11):
-            assert form[start:start + 12] not in wire, f"a piece of the token crossed the wire: {form[start:start+12]!r}"
+            piece = form[start:start + 12]
+            assert piece not in wire, f"a piece of the token crossed the wire: {piece!r}"
 
 
 def test_wrong_token_is_refused_and_the_token_never_crosses_the_wire(memd_factory, tmp_path, monkeypatch):
@@ -366,7 +367,8 @@ def tls_client_hello(rng: random.Random) -> bytes:
     """Bytes shaped like a TLS 1.2/1.3 ClientHello record."""
     hello = (b"\x03\x03" + rng.randbytes(32) + b"\x20" + rng.randbytes(32)
              + b"\x00\x08\x13\x01\x13\x02\xc0\x2b\xc0\x2f" + b"\x01\x00"
-             + b"\x00\x1c" + b"\x00\x00\x00\x0e\x00\x0c\x00\x00\x09localhost" + b"\x00\x0d\x00\x06\x00\x04\x04\x03\x08\x04")
+             + b"\x00\x1c" + b"\x00\x00\x00\x0e\x00\x0c\x00\x00\x09localhost"
+             + b"\x00\x0d\x00\x06\x00\x04\x04\x03\x08\x04")
     handshake = b"\x01" + len(hello).to_bytes(3, "big") + hello
     return b"\x16\x03\x01" + len(handshake).to_bytes(2, "big") + handshake
 

@@ -17,7 +17,8 @@ def test_daemons_do_not_import_torch(modules):
 
 
 def test_dashrun_package_import_is_lazy_about_the_checkpointer():
-    code = "import sys, dashrun; before = 'torch' in sys.modules; dashrun.Checkpointer; print(before, 'torch' in sys.modules)"
+    code = ("import sys, dashrun; before = 'torch' in sys.modules; dashrun.Checkpointer; "
+            "print(before, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False True"
 

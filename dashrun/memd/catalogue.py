@@ -223,7 +223,8 @@ class Catalogue:
         with self._cond:
             key = (header.job, header.step)
             entry = self._receiving.get(key)
-            if entry and (entry.world, entry.rep_total, entry.layout) != (header.world, header.rep_total, header.layout):
+            shape = (header.world, header.rep_total, header.layout)
+            if entry and (entry.world, entry.rep_total, entry.layout) != shape:
                 log.info("%s step %d: a new attempt with another layout replaces the incomplete one",
                          header.job, header.step)
                 self._drop_receiving(entry)

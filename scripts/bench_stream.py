@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -66,6 +67,7 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float, rank_cr
          "--ready-file", str(ready)],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(scratch / "memd.log", "wb"),
         preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    kept = True
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -85,13 +87,16 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float, rank_cr
                 client.put_shard(header, [view], crc=(lambda: known) if rank_crc else None)
                 times.append(time.perf_counter() - started)
                 if not client.wait("bench-stream", step, 120, on_disk=True):
-                    raise RuntimeError("dash-memd did not write the shard to disk")
+                    raise RuntimeError(f"dash-memd did not write the shard to disk: see {scratch / 'memd.log'}")
                 time.sleep(pause)
+        kept = False
         return times[1:]
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         memd.terminate()
         memd.wait(timeout=60)
+        if not kept:  # its checkpoints fill the disk otherwise; after a failure the log stays
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def bare_pair(view: memoryview, sender_core: int, receiver_core: int, rounds: int, pause: float,

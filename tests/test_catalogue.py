@@ -147,3 +147,17 @@ def test_rebuilt_from_disk_after_a_restart(tmp_path):
     assert reborn.latest("j").step == 4
     with reborn.open_shard("j", 4, 1) as (view, _):
         assert bytes(view) == payloads[1]
+
+
+def test_once_a_checkpoint_is_on_disk_the_buffers_of_the_next_one_are_ready(tmp_path):
+    cat = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"), keep_ram=2, keep_disk=2)
+    for header in headers(step=1):
+        deliver(cat, header)
+    assert not [buf for bufs in cat.ram._free.values() for buf in bufs]
+    assert cat.persist_next(timeout=5)
+    ready = [buf for bufs in cat.ram._free.values() for buf in bufs]
+    assert len(ready) == 2                                 # one per shard of the job
+    tickets = [cat.begin_shard(header) for header in headers(step=2)]
+    assert all(any(ticket.buffer is buf for buf in ready) for ticket in tickets)
+    for ticket in tickets:
+        cat.abort_shard(ticket)

@@ -30,20 +30,26 @@ def make_checkpoint(job="job-a", step=10, world=3, rep_total=3000, tail=100):
     return CheckpointInfo(job, step, world, rep_total, LAYOUT, time.time(), tuple(shards)), data
 
 
-def cached_pages(path) -> int:
-    """How many of the file's pages the page cache holds (mincore(2) on a mapping of it)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+def resident_pages(mapped: mmap.mmap) -> int:
+    """How many pages of a mapping are in memory (mincore(2))."""
+    pages = -(-len(mapped) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    anchor = ctypes.c_char.from_buffer(mapped)
     try:
-        pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        anchor = ctypes.c_char.from_buffer(mapped)
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) != 0:
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(len(mapped)), vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore failed")
+    finally:
         del anchor
-        return sum(v & 1 for v in vec)
+    return sum(v & 1 for v in vec)
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages the page cache holds."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), os.path.getsize(path), access=mmap.ACCESS_COPY)
+    try:
+        return resident_pages(mapped)
     finally:
         mapped.close()
 
@@ -122,6 +128,18 @@ class TestRamTier(TierConformance):
         ram.release(again)
         other = ram.reserve(16_000)  # the pooled buffer goes back to the OS to make room
         assert other is not None and ram.used == RamTier.size_class(16_000)
+
+    def test_buffers_are_touched_ahead_of_need_within_the_limit(self):
+        size = 8 << 20
+        ram = RamTier(3 * size)
+        assert ram.prewarm([size, size - 1000]) == 2      # one size class, two shards of it
+        assert ram.prewarm([size]) == 0                    # already there
+        ready = [buf for bufs in ram._free.values() for buf in bufs]
+        assert all(resident_pages(buf) == size // mmap.PAGESIZE for buf in ready)
+        got = ram.reserve(size)
+        assert any(got is buf for buf in ready) and ram.used == size
+        assert ram.prewarm([size] * 3) == 1                # in use + pooled stay within the limit
+        assert ram.reserve(size) is not None and ram.reserve(size) is not None and ram.reserve(size) is None
 
     def test_size_classes_waste_little(self):
         for nbytes in (1, 4095, 4097, 65303, 65304, 1 << 20, (256 << 20) + 12345, 10 << 30):

@@ -410,7 +410,9 @@ class Catalogue:
             with self._cond:
                 entry.readers -= 1
                 doomed = []
+                next_shards = []
                 if written and not entry.dropped:
+                    next_shards = [shard.nbytes for shard in entry.info.shards]
                     self._disk_failures.pop(entry.job, None)
                     entry.tiers.add("disk")
                     entry.advance(State.ON_DISK)
@@ -424,6 +426,8 @@ class Catalogue:
         for old in doomed:
             self.disk.delete(old.job, old.step)
             log.info("%s step %d: deleted from disk (keeping the newest %d)", old.job, old.step, self.keep_disk)
+        # The job's next checkpoint will have shards of about these sizes: have its buffers touched by then.
+        self.ram.prewarm(next_shards)
         return True
 
     def pending_disk_writes(self) -> int:

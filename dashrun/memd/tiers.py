@@ -30,6 +30,7 @@ from dashrun.errors import ChecksumError, NoSpaceError, NotFoundError, ProtocolE
 from dashrun.faults import crash_point
 from dashrun.files import fsync_dir, unmap, write_atomic, write_new
 from dashrun.protocol import CheckpointInfo, JobSpec, crc32c, valid_job_id
+from dashrun.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class RamTier(Tier):
                     self._free.setdefault(size, []).append(buf)
                     self._free_bytes += size
                 made += 1
+                log.info("RAM tier: a %s buffer touched ahead of the next checkpoint", format_size(size))
         return made
 
     def release(self, buf: mmap.mmap) -> None:

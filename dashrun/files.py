@@ -6,6 +6,7 @@ import errno
 import fcntl
 import mmap
 import os
+import secrets
 from pathlib import Path
 
 _CHUNK = 8 << 20
@@ -76,11 +77,9 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600) 
     path = Path(path)
     if isinstance(data, str):
         data = data.encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.unlink()
-    except FileNotFoundError:
-        pass
+    # A name of its own per call: writers of the same file in other threads (dash-memd serves every host of a
+    # job at once) or processes must never take over, or rename away, each other's temporary file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
         write_new(tmp, data, mode)
         os.replace(tmp, path)

@@ -3,6 +3,7 @@
 import ctypes
 import mmap
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from dashrun.errors import NotFoundError
 from dashrun.files import write_new
 from dashrun.memd.objecttier import ObjectTier
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import CheckpointInfo, ShardHeader, crc32c
+from dashrun.protocol import CheckpointInfo, JobSpec, ShardHeader, crc32c
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 
@@ -183,6 +184,28 @@ class TestDiskTier(TierConformance):
         assert "0000000000000003: incomplete" in text
         assert "0000000000000004: corrupt" in text and "0000000000000005: corrupt" in text
         assert "interrupted write" in text and not leftover.exists()
+
+    def test_every_host_of_a_job_may_record_its_spec_at_once(self, tmp_path):
+        # Each host's launcher sends the job's spec as it starts; dash-memd writes them from concurrent threads.
+        disk = DiskTier(tmp_path / "d")
+        start, failures = threading.Barrier(8), []
+
+        def host(name):
+            start.wait()
+            for i in range(25):
+                try:
+                    disk.put_spec(JobSpec(("train.py",), "/work", f"{name}-{i}", time.time()), "job-a")
+                except Exception as e:  # any failure at all is what this test looks for
+                    failures.append(repr(e))
+
+        threads = [threading.Thread(target=host, args=(f"host{n}",)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failures, failures[:3]
+        assert disk.specs()["job-a"].host.startswith("host")
+        assert not [p.name for p in (disk.jobs / "job-a").iterdir() if p.name.endswith(".tmp")]
 
     def test_shards_from_ram_buffers_are_written_past_the_page_cache(self, tmp_path):
         # dash-memd holds the bytes in RAM already; caching them again costs a copy into fresh pages.

@@ -361,15 +361,16 @@ class RankConnection:
             self._maps.close()
 
     def _put_with_retry(self, client: MemdClient, staged: Staged) -> dict[str, Any]:
-        node = self.agent.config.node
-        crc = staged.rank_crc if staged.checksum else None
+        def put() -> dict[str, Any]:
+            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=self.agent.config.node,
+                                    crc=staged.rank_crc if staged.checksum else None)
         try:
-            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node, crc=crc)
+            return put()
         except UnavailableError:
             if staged.failed:
                 raise
             # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
-            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=node, crc=crc)
+            return put()
 
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:

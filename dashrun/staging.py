@@ -60,4 +60,4 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, crc: int | None = None) -> i
         extended = _ntcopy.copy_crc(dst.data_ptr(), src.data_ptr(), dst.numel(), crc or 0)
         return None if crc is None else extended
     dst.copy_(src)
-    return None if crc is None else crc32c(bytes_of(dst), crc)
+    return None if crc is None else crc_of(dst, crc)

@@ -144,10 +144,17 @@ class Daemons:
         token = scratch / "token"
         write_token(token)
         ready = scratch / "memd.ready"
-        self.procs = []
-        self.memd = self._start([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
-                                 "--data-dir", str(scratch / "data"), "--memory-limit", str(memory_limit),
-                                 "--token-file", str(token), "--ready-file", str(ready)], "memd.log")
+        self.procs: list[subprocess.Popen] = []
+        try:
+            self._start_both(scratch, token, ready, memory_limit)
+        except BaseException:
+            self.stop()  # no dash-memd left behind when the agent fails to start
+            raise
+
+    def _start_both(self, scratch: Path, token: Path, ready: Path, memory_limit: int) -> None:
+        self._start([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
+                     "--data-dir", str(scratch / "data"), "--memory-limit", str(memory_limit),
+                     "--token-file", str(token), "--ready-file", str(ready)], "memd.log")
         self._until(ready.exists, "dash-memd")
         self.host, port = ready.read_text().strip().rsplit(":", 1)
         self.port, self.token = int(port), token.read_bytes().strip()
@@ -156,11 +163,9 @@ class Daemons:
                      "--socket", str(self.socket)], "agent.log", env={**os.environ, "DASH_CLOUD": "none"})
         self._until(self.socket.exists, "dash-agent")
 
-    def _start(self, cmd, log, env=None):
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(self.scratch / log, "wb"),
-                                env=env)
-        self.procs.append(proc)
-        return proc
+    def _start(self, cmd, log, env=None) -> None:
+        self.procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
+                                           stderr=open(self.scratch / log, "wb"), env=env))
 
     def _until(self, predicate, what: str) -> None:
         deadline = time.monotonic() + 60
@@ -182,22 +187,8 @@ class Daemons:
                 proc.wait()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mib", type=float, default=2048, help="parameters + AdamW state (default 2048)")
-    parser.add_argument("--rounds", type=int, default=4, help="measured blocks per variant (default 4)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="blocks per variant before those (default 3: dashrun's two staging buffers and "
-                             "dash-memd's pool of three are touched and pinned once, not per checkpoint)")
-    parser.add_argument("--interval", type=int, default=10, help="steps per block; one checkpoint each")
-    parser.add_argument("--batch", type=int, default=4096)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    model, opt, step, shape = build(int(args.size_mib * (1 << 20)), args.batch, device)
-    nbytes = shape["state_bytes"]
-    scratch = Path(tempfile.mkdtemp(prefix="bench-cuda-"))
-    daemons = Daemons(scratch, memory_limit=4 * nbytes + (1 << 30))
+def measure(args, device: torch.device, model, opt, step, scratch: Path, daemons: Daemons):
+    """The interleaved blocks, then the limits; returns (figures per variant, variant names, d2h s, loopback s)."""
     os.environ.update({"DASH_AGENT_SOCKET": str(daemons.socket), "DASH_JOB_ID": "bench-cuda", "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     ckpt = dashrun.Checkpointer(model=model, optimizer=opt, interval=1)
@@ -218,9 +209,7 @@ def main() -> int:
             os.fsync(f.fileno())
         return {}
 
-    def dcp_save():
-        if pending_dcp[0] is not None:
-            pending_dcp[0].result()
+    def dcp_save():  # the previous one is done: every block waits for its writer
         pending_dcp[0] = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                                         checkpoint_id=str(scratch / f"dcp-{counter[0]}"))
         return {}
@@ -276,8 +265,30 @@ def main() -> int:
     tcp = loopback_seconds(bytes_of(host))
     del host
     waiter.close()
-    daemons.stop()
     dist.destroy_process_group()
+    return results, list(variants), d2h, tcp
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=float, default=2048, help="parameters + AdamW state (default 2048)")
+    parser.add_argument("--rounds", type=int, default=4, help="measured blocks per variant (default 4)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="blocks per variant before those (default 3: dashrun's two staging buffers and "
+                             "dash-memd's pool of three are touched and pinned once, not per checkpoint)")
+    parser.add_argument("--interval", type=int, default=10, help="steps per block; one checkpoint each")
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    model, opt, step, shape = build(int(args.size_mib * (1 << 20)), args.batch, device)
+    nbytes = shape["state_bytes"]
+    scratch = Path(tempfile.mkdtemp(prefix="bench-cuda-"))
+    daemons = Daemons(scratch, memory_limit=4 * nbytes + (1 << 30))
+    try:
+        results, variants, d2h, tcp = measure(args, device, model, opt, step, scratch, daemons)
+    finally:
+        daemons.stop()
     shutil.rmtree(scratch, ignore_errors=True)
 
     gib = nbytes / GiB

@@ -67,7 +67,6 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float, rank_cr
          "--ready-file", str(ready)],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(scratch / "memd.log", "wb"),
         preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-    kept = True
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -89,14 +88,12 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float, rank_cr
                 if not client.wait("bench-stream", step, 120, on_disk=True):
                     raise RuntimeError(f"dash-memd did not write the shard to disk: see {scratch / 'memd.log'}")
                 time.sleep(pause)
-        kept = False
-        return times[1:]
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         memd.terminate()
         memd.wait(timeout=60)
-        if not kept:  # its checkpoints fill the disk otherwise; after a failure the log stays
-            shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)  # its checkpoints would fill the disk; after a failure the log stays
+    return times[1:]
 
 
 def bare_pair(view: memoryview, sender_core: int, receiver_core: int, rounds: int, pause: float,

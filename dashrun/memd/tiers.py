@@ -14,6 +14,7 @@ place, so a crash loses at most the checkpoint being written.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import errno
 import json
@@ -39,7 +40,6 @@ SPEC = "SPEC.json"
 MANIFEST_FORMAT = "dashrun-checkpoint"
 MANIFEST_VERSION = 1
 _CHUNK = 8 << 20
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the kernel touches the pages as it maps them
 
 
 class Tier(abc.ABC):
@@ -132,10 +132,7 @@ class RamTier(Tier):
         the stream itself on some VMs; pages touched here, ahead of the next checkpoint and outside any lock,
         cost that checkpoint nothing. Pooled buffers never stand in a receive's way: reserve() gives them back.
         """
-        wanted: dict[int, int] = {}
-        for nbytes in sizes:
-            size = self.size_class(nbytes)
-            wanted[size] = wanted.get(size, 0) + 1
+        wanted = collections.Counter(self.size_class(nbytes) for nbytes in sizes)
         made = 0
         for size, count in wanted.items():
             while True:
@@ -143,13 +140,11 @@ class RamTier(Tier):
                     if len(self._free.get(size, ())) >= count or self._in_use + self._free_bytes + size > self.limit:
                         break
                 try:
-                    buf = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+                    # MAP_POPULATE: the kernel touches every page as it maps them.
+                    buf = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
                 except OSError as e:
                     log.warning("RAM tier: cannot prepare a %d-byte buffer ahead of need: %s", size, e)
                     return made
-                if not _MAP_POPULATE:
-                    for page in range(0, size, mmap.PAGESIZE):
-                        buf[page] = 0
                 with self._lock:
                     if self._in_use + self._free_bytes + size > self.limit:  # a receive took the room meanwhile
                         buf.close()

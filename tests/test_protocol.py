@@ -1,13 +1,19 @@
 """The wire format: golden bytes, bounds checked before allocation, fields validated."""
 
 import json
+import os
+import secrets
+import shutil
 import socket
 import struct
+import subprocess
+import sys
+import threading
 
 import pytest
 
 from dashrun import protocol
-from dashrun.channel import Channel
+from dashrun.channel import CHUNK, Channel, peer_on_this_machine
 from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
 from dashrun.protocol import (
     HEADER, MAX_BODY, CheckpointInfo, Kind, ShardHeader, crc32c, decode_body, decode_header, encode_body,
@@ -140,3 +146,102 @@ def test_channel_refuses_unannounced_data_and_reports_truncation():
         a.close()
         with pytest.raises(UnavailableError):
             Channel(b).recv()
+
+
+# --- yielding the CPU to a receiver on this machine ------------------------------------------------------------------
+
+_SINK = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+total = 0
+while chunk := conn.recv(1 << 20):
+    total += len(chunk)
+print(total, flush=True)
+"""
+
+
+@pytest.fixture
+def other_host():
+    """(address, port, process) of a TCP sink on another network host: a namespace of its own behind a veth pair.
+
+    The sink prints the port it listens on, then, at EOF, how many bytes it got.
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for a network namespace")
+    tag = secrets.token_hex(3)
+    ns, here, there = f"dash-test-{tag}", f"dsh{tag}a", f"dsh{tag}b"
+    net = f"198.18.{secrets.randbelow(250)}"  # RFC 2544's range for network tests, here inside the namespace only
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    try:
+        ip("netns", "add", ns)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot create a network namespace: {e.stderr.decode().strip()}")
+    sink = None
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", ns)
+        ip("addr", "add", f"{net}.1/30", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", ns, "addr", "add", f"{net}.2/30", "dev", there)
+        ip("-n", ns, "link", "set", there, "up")
+        sink = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", _SINK, f"{net}.2"],
+                                stdout=subprocess.PIPE, text=True)
+        yield f"{net}.2", int(sink.stdout.readline()), sink
+    finally:
+        if sink is not None:
+            sink.kill()
+            sink.wait(timeout=30)
+            sink.stdout.close()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # takes the veth pair with it
+        subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
+
+
+def _count_yields(monkeypatch) -> list[int]:
+    yields: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    return yields
+
+
+def test_a_sender_yields_the_cpu_after_each_chunk_to_a_receiver_on_this_machine(monkeypatch):
+    data = os.urandom(3 * CHUNK + 5)  # four chunks
+    with socket.create_server(("127.0.0.1", 0)) as srv, socket.create_connection(srv.getsockname()) as a:
+        b, _ = srv.accept()
+        with b:
+            assert peer_on_this_machine(a) and peer_on_this_machine(b)
+            got = bytearray(len(data))
+            receiver = Channel(b)
+
+            def receive():
+                receiver.recv_data_into(receiver.recv(max_data=len(data)), [memoryview(got)])
+
+            reader = threading.Thread(target=receive)
+            reader.start()
+            yields = _count_yields(monkeypatch)
+            Channel(a).send(Kind.SHARD_DATA, {}, data=[data])
+            reader.join(timeout=60)
+    assert not reader.is_alive() and bytes(got) == data
+    assert len(yields) == 4
+
+
+def test_no_yield_where_the_peer_is_not_a_tcp_peer_on_this_machine():
+    a, b = socket.socketpair()  # a Unix socket: ranks and their agent (no bulk data goes over it)
+    with a, b:
+        assert not peer_on_this_machine(a)
+    with socket.socket() as unconnected:
+        assert not peer_on_this_machine(unconnected)
+
+
+def test_a_sender_keeps_the_cpu_when_the_receiver_is_on_another_host(monkeypatch, other_host):
+    address, port, sink = other_host
+    data = os.urandom(3 * CHUNK + 5)
+    with socket.create_connection((address, port), timeout=30) as sock:
+        assert not peer_on_this_machine(sock)
+        yields = _count_yields(monkeypatch)
+        Channel(sock).send(Kind.SHARD_DATA, {}, data=[data])
+    assert yields == []
+    sent = HEADER.size + len(encode_body({})) + len(data) + protocol.TRAILER.size
+    assert int(sink.stdout.readline()) == sent

@@ -9,14 +9,19 @@ from the caller's memoryviews (a shared-memory mapping, a RAM buffer), never
 copied in user space; the CRC-32C trailer is computed chunk by chunk as the
 bytes go out, while they are still in cache. When the peer runs on this
 machine, the sender yields the CPU after each chunk (see :data:`YIELD_TO_LOCAL_PEER`).
+Received data goes through a chunk-sized buffer that stays in cache and on
+into its destination with streaming stores that also checksum, where dashrun's
+C helper is built (see :meth:`Channel.recv_data_into`).
 """
 
 from __future__ import annotations
 
 import array
+import ctypes
 import dataclasses
 import hmac
 import ipaddress
+import mmap
 import os
 import secrets
 import socket
@@ -30,6 +35,11 @@ from dashrun.protocol import (
     HEADER, MAX_BODY, MAX_BODY_PREAUTH, MAX_FDS, TRAILER, Kind, crc32c, decode_body,
     decode_header, encode_body, encode_header, field_digest, field_nonce,
 )
+
+try:
+    from dashrun import _ntcopy
+except ImportError:  # not built (no C compiler at install): data is received straight into its destination
+    _ntcopy = None
 
 #: Bytes moved per send/recv call for bulk data: large enough to amortise the
 #: Python overhead, small enough that the CRC of a chunk is still in cache.
@@ -83,6 +93,7 @@ class Channel:
         self._pending_data = 0  # data bytes (+ trailer) of the last frame not yet consumed
         self._deadline: float | None = None
         self._peer_local = peer_on_this_machine(sock)
+        self._landing: tuple[memoryview, int] | None = None  # (view, address) of the receive buffer, made on use
 
     # --- plumbing ---------------------------------------------------------
 
@@ -183,11 +194,40 @@ class Channel:
             return 0
         crc = 0
         for view in views:
+            if _ntcopy is not None and _ntcopy.STREAMING and len(view):
+                crc = self._recv_streamed(view, crc)
+                continue
             for start in range(0, len(view), CHUNK):
                 piece = view[start:start + CHUNK]
                 self._recv_exact(piece)
                 crc = crc32c(piece, crc)
         self._check_trailer(crc)
+        return crc
+
+    def _recv_streamed(self, view: memoryview, crc: int) -> int:
+        """Receive ``view`` chunk by chunk into the landing buffer, then on with streaming stores and the CRC.
+
+        Received straight into a large destination (dash-memd's RAM buffer), the kernel's
+        copy reads every destination line before writing it, then the CRC reads the chunk
+        again. Landing in one reused chunk-sized buffer, the bytes stay in cache; the
+        helper's copy writes them out without reading the destination and checksums
+        them as it goes: a 256 MiB shard went into dash-memd in 17 % less time (143 ->
+        119 ms) on one core of the 2-core build VM, the sender yielding after each
+        chunk (scripts/bench_stream.py).
+        """
+        if self._landing is None:
+            buf = mmap.mmap(-1, CHUNK, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+            self._landing = memoryview(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        landing, landing_at = self._landing
+        target = ctypes.c_char.from_buffer(view)  # holds the view's buffer until we are done with it
+        try:
+            base = ctypes.addressof(target)
+            for start in range(0, len(view), CHUNK):
+                n = min(CHUNK, len(view) - start)
+                self._recv_exact(landing[:n])
+                crc = _ntcopy.copy_crc(base + start, landing_at, n, crc)
+        finally:
+            del target
         return crc
 
     def recv_data(self, frame: Frame) -> bytes:

@@ -11,9 +11,11 @@ of processes does on the same bytes:
   both pinned to one core; each round waits until the shard is on disk, so
   the disk writer never overlaps the next round; with the checksum known
   beforehand (the rank's, computed as it staged: what dash-agent does with
-  dashrun's C helper), once as dashrun sends (yielding the CPU after each
-  piece to a peer on this machine) and once without those yields, the two
-  alternating round by round;
+  dashrun's C helper). Three variants, alternated round by round: as dashrun
+  runs (the sender yields the CPU after each piece to a peer on this machine;
+  dash-memd receives each piece into a cache-sized landing buffer and moves it
+  on with streaming stores that checksum), with the yields but dash-memd
+  receiving straight into its RAM buffer, and with neither;
 * bare pair, one core, the receiver checksumming each piece as dash-memd
   does, with and without a yield after each piece;
 * bare pair, two cores (sender on the other core): the loopback limit that
@@ -60,48 +62,69 @@ def staged(nbytes: int) -> memoryview:
     return memoryview(mapped)
 
 
-def through_memd(view: memoryview, core: int, rounds: int, pause: float, variants: dict[str, bool]) -> dict:
-    """put_shard into a real dash-memd on one core; ``variants`` name -> yield to the local peer, alternated."""
+# dash-memd receiving straight into its RAM buffer, as before the landing buffer (for the comparison only).
+_MEMD_STRAIGHT_IN = ("from dashrun import channel; channel._ntcopy = None; "
+                     "from dashrun.memd.cli import main; main()")
+
+
+def through_memd(view: memoryview, core: int, rounds: int, pause: float,
+                 variants: dict[str, tuple[bool, bool]]) -> dict:
+    """put_shard into real dash-memd processes on one core, the variants alternated round by round.
+
+    ``variants``: name -> (the sender yields to its local peer, dash-memd receives through its landing buffer).
+    """
     scratch = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     token = write_token(scratch / "token")
-    ready = scratch / "ready"
-    memd = subprocess.Popen(
-        [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir", str(scratch / "data"),
-         "--memory-limit", f"{4 * len(view) + (1 << 30)}", "--token-file", str(scratch / "token"),
-         "--ready-file", str(ready)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(scratch / "memd.log", "wb"),
-        preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    memds: dict[bool, tuple[subprocess.Popen, Path]] = {}
     times: dict[str, list[float]] = {name: [] for name in variants}
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if memd.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"dash-memd did not start: see {scratch / 'memd.log'}")
-            time.sleep(0.05)
-        host, port = ready.read_text().strip().rsplit(":", 1)
+        for landing in sorted({landing for _, landing in variants.values()}):
+            where = scratch / ("landing" if landing else "straight-in")
+            where.mkdir()
+            command = ["-m", "dashrun.memd"] if landing else ["-c", _MEMD_STRAIGHT_IN]
+            memds[landing] = subprocess.Popen(
+                [sys.executable, *command, "start", "--listen", "127.0.0.1:0", "--data-dir", str(where / "data"),
+                 "--memory-limit", f"{4 * len(view) + (1 << 30)}", "--token-file", str(scratch / "token"),
+                 "--ready-file", str(where / "ready")],
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(where / "memd.log", "wb"),
+                preexec_fn=lambda: os.sched_setaffinity(0, {core})), where / "ready"
+        clients = {}
+        for landing, (memd, ready) in memds.items():
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                if memd.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"dash-memd did not start: see {ready.parent / 'memd.log'}")
+                time.sleep(0.05)
+            host, port = ready.read_text().strip().rsplit(":", 1)
+            clients[landing] = MemdClient(host, int(port), token)
         os.sched_setaffinity(0, {core})  # the sender (dash-agent's part) shares dash-memd's core
         known = crc32c(view)  # the rank's, computed as it staged: the sender only sends; dash-memd still verifies
         step = 0
-        with MemdClient(host, int(port), token) as client:
-            for r in range(rounds + 1):
-                names = list(variants) if r % 2 == 0 else list(reversed(variants))
-                for name in names:
-                    channel.YIELD_TO_LOCAL_PEER = variants[name]
-                    header = ShardHeader(job="bench-stream", step=step, rank=0, world=1, rep_total=len(view),
-                                         rep_start=0, rep_end=len(view), private_len=0, meta_len=0, layout="0" * 64)
-                    started = time.perf_counter()
-                    client.put_shard(header, [view], crc=lambda: known)
-                    if r:  # the first round warms up
-                        times[name].append(time.perf_counter() - started)
-                    if not client.wait("bench-stream", step, 120, on_disk=True):
-                        raise RuntimeError(f"dash-memd did not write the shard to disk: see {scratch / 'memd.log'}")
-                    step += 1
-                    time.sleep(pause)
+        for r in range(rounds + 1):
+            names = list(variants) if r % 2 == 0 else list(reversed(variants))
+            for name in names:
+                yields, landing = variants[name]
+                channel.YIELD_TO_LOCAL_PEER = yields
+                client = clients[landing]
+                header = ShardHeader(job="bench-stream", step=step, rank=0, world=1, rep_total=len(view),
+                                     rep_start=0, rep_end=len(view), private_len=0, meta_len=0, layout="0" * 64)
+                started = time.perf_counter()
+                client.put_shard(header, [view], crc=lambda: known)
+                if r:  # the first round warms up
+                    times[name].append(time.perf_counter() - started)
+                if not client.wait("bench-stream", step, 120, on_disk=True):
+                    raise RuntimeError(f"dash-memd did not write the shard to disk: see {scratch}")
+                step += 1
+                time.sleep(pause)
+        for client in clients.values():
+            client.close()
     finally:
         channel.YIELD_TO_LOCAL_PEER = True
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-        memd.terminate()
-        memd.wait(timeout=60)
+        for memd, _ in memds.values():
+            memd.terminate()
+        for memd, _ in memds.values():
+            memd.wait(timeout=60)
     shutil.rmtree(scratch, ignore_errors=True)  # its checkpoints would fill the disk; after a failure the log stays
     return times
 
@@ -173,14 +196,16 @@ def main() -> int:
     train_core, side_core = cores[0], cores[-1]
     view = staged(args.size_mib << 20)
     rounds, pause = args.rounds, args.pause
-    streamed = through_memd(view, side_core, rounds, pause, {"yield": True, "no yield": False})
+    streamed = through_memd(view, side_core, rounds, pause, {
+        "as dashrun": (True, True), "no landing buffer": (True, False), "neither": (False, False)})
     rows = [
         ("bare pair, two cores (the loopback limit)", bare_pair(view, train_core, side_core, rounds, pause, False)),
         ("bare pair, one core, receiver checksums", bare_pair(view, side_core, side_core, rounds, pause, True)),
         ("the same, the sender yielding after each piece",
          bare_pair(view, side_core, side_core, rounds, pause, True, yield_each=True)),
-        ("MemdClient.put_shard into dash-memd, one core, without yields", streamed["no yield"]),
-        ("the same as dashrun sends: a yield after each piece", streamed["yield"]),
+        ("MemdClient.put_shard into dash-memd, one core: no yields, no landing buffer", streamed["neither"]),
+        ("the same, a yield after each piece", streamed["no landing buffer"]),
+        ("the same, and through dash-memd's landing buffer (as dashrun runs)", streamed["as dashrun"]),
     ]
     limit = statistics.median(rows[0][1])
     gib = len(view) / (1 << 30)

@@ -124,6 +124,46 @@ def test_channel_round_trip_with_data_and_trailer():
         assert bytes(first + second) == b"hello world"
 
 
+@pytest.mark.parametrize("helper", [True, False], ids=["landing-buffer", "straight-in"])
+def test_channel_receives_large_data_exactly_into_unaligned_views(monkeypatch, helper):
+    from dashrun import channel
+
+    if helper and (channel._ntcopy is None or not channel._ntcopy.STREAMING):
+        pytest.skip("dashrun's C helper is not built here")
+    copies = []
+    if helper:
+        real = channel._ntcopy
+
+        class Counting:
+            STREAMING = real.STREAMING
+
+            @staticmethod
+            def copy_crc(*args):
+                copies.append(args[2])
+                return real.copy_crc(*args)
+
+        monkeypatch.setattr(channel, "_ntcopy", Counting)
+    else:
+        monkeypatch.setattr(channel, "_ntcopy", None)
+    data = os.urandom(2 * CHUNK + 12345)
+    backing = bytearray(len(data) + 64)
+    # Three views at odd offsets, one of them empty, the first crossing a chunk boundary.
+    cut = CHUNK + 7
+    views = [memoryview(backing)[3:3 + cut], memoryview(backing)[3 + cut:3 + cut],
+             memoryview(backing)[3 + cut + 5:3 + len(data) + 5]]
+    a, b = socket.socketpair()
+    with a, b:
+        receiver = Channel(b)
+        sender = threading.Thread(target=Channel(a).send, args=(Kind.SHARD_DATA, {}), kwargs={"data": [data]})
+        sender.start()
+        crc = receiver.recv_data_into(receiver.recv(max_data=len(data)), views)
+        sender.join(timeout=60)
+    assert crc == crc32c(data)
+    assert bytes(views[0]) + bytes(views[2]) == data
+    assert backing[:3] == bytes(3) and backing[3 + cut:3 + cut + 5] == bytes(5)  # nothing written outside the views
+    assert sum(copies) == (len(data) if helper else 0)
+
+
 def test_channel_detects_corrupted_data():
     a, b = socket.socketpair()
     with a, b:

@@ -21,7 +21,6 @@ import ctypes
 import dataclasses
 import hmac
 import ipaddress
-import mmap
 import os
 import secrets
 import socket
@@ -31,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 from dashrun import errors
 from dashrun.errors import AuthError, ProtocolError, UnavailableError
 from dashrun.faults import crash_point
+from dashrun.files import populated
 from dashrun.protocol import (
     HEADER, MAX_BODY, MAX_BODY_PREAUTH, MAX_FDS, TRAILER, Kind, crc32c, decode_body,
     decode_header, encode_body, encode_header, field_digest, field_nonce,
@@ -39,6 +39,8 @@ from dashrun.protocol import (
 try:
     from dashrun import _ntcopy
 except ImportError:  # not built (no C compiler at install): data is received straight into its destination
+    _ntcopy = None
+if _ntcopy is not None and not _ntcopy.STREAMING:  # built, but the CPU lacks what it needs
     _ntcopy = None
 
 #: Bytes moved per send/recv call for bulk data: large enough to amortise the
@@ -194,7 +196,7 @@ class Channel:
             return 0
         crc = 0
         for view in views:
-            if _ntcopy is not None and _ntcopy.STREAMING and len(view):
+            if _ntcopy is not None and len(view):
                 crc = self._recv_streamed(view, crc)
                 continue
             for start in range(0, len(view), CHUNK):
@@ -216,7 +218,7 @@ class Channel:
         chunk (scripts/bench_stream.py).
         """
         if self._landing is None:
-            buf = mmap.mmap(-1, CHUNK, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+            buf = populated(CHUNK)
             self._landing = memoryview(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf))
         landing, landing_at = self._landing
         target = ctypes.c_char.from_buffer(view)  # holds the view's buffer until we are done with it

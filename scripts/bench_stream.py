@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from dashrun import channel  # noqa: E402
 from dashrun.channel import CHUNK  # noqa: E402
 from dashrun.client import MemdClient  # noqa: E402
+from dashrun.files import populated  # noqa: E402
 from dashrun.protocol import ShardHeader, crc32c  # noqa: E402
 from dashrun.units import write_token  # noqa: E402
 
@@ -142,7 +143,7 @@ def bare_pair(view: memoryview, sender_core: int, receiver_core: int, rounds: in
             conn, _ = listener.accept()
             conn.settimeout(120)
             # A bytearray (private memory) received 1.7x slower on this VM than this shared mapping.
-            into = memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE))
+            into = memoryview(populated(nbytes))
             for _ in range(rounds + 1):
                 running = 0
                 for start in range(0, nbytes, CHUNK):  # piece by piece, each checksummed as it lands (as dash-memd)

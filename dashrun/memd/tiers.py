@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 from dashrun.errors import ChecksumError, NoSpaceError, NotFoundError, ProtocolError
 from dashrun.faults import crash_point
-from dashrun.files import fsync_dir, unmap, write_atomic, write_new
+from dashrun.files import fsync_dir, populated, unmap, write_atomic, write_new
 from dashrun.protocol import CheckpointInfo, JobSpec, crc32c, valid_job_id
 from dashrun.units import format_size
 
@@ -140,8 +140,7 @@ class RamTier(Tier):
                     if len(self._free.get(size, ())) >= count or self._in_use + self._free_bytes + size > self.limit:
                         break
                 try:
-                    # MAP_POPULATE: the kernel touches every page as it maps them.
-                    buf = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+                    buf = populated(size)
                 except OSError as e:
                     log.warning("RAM tier: cannot prepare a %d-byte buffer ahead of need: %s", size, e)
                     return made

@@ -1,3 +1,3 @@
-from agent.cli import main
+from dashrun.agent.cli import main
 
 main()

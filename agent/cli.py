@@ -9,13 +9,15 @@ from pathlib import Path
 
 import click
 
-from agent.pollers import CHOICES
-from agent.server import AgentConfig, AgentServer
 from dashrun import env
-from dashrun.console import block_stop_signals, next_stop_signal, run_click, setup_logging
+from dashrun.agent.pollers import CHOICES
+from dashrun.agent.service import AgentConfig, AgentServer
+from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode
-from dashrun.memd.config import DEFAULT_PORT
-from dashrun.units import parse_address, read_token
+from dashrun.util.console import run_click, setup_logging
+from dashrun.util.signals import block_stop_signals, next_stop_signal
+from dashrun.util.tokens import read_token
+from dashrun.util.units import parse_address
 
 PROGRAM = "dash-agent"
 log = logging.getLogger(PROGRAM)

@@ -5,12 +5,12 @@ The data path::
     rank (Checkpointer) --memfd + Unix socket--> dash-agent --TCP--> dash-memd
                                                                  RAM -> disk
 
-* :mod:`dashrun.checkpointer` — the rank side: stages state into reused shared
+* :mod:`dashrun.rank.checkpointer` — the rank side: stages state into reused shared
   memory beside the next forward/backward, hands it to the node's agent,
   restores the newest committed checkpoint. The only part that imports torch.
-* :mod:`dashrun.protocol`, :mod:`dashrun.channel` — the one wire format.
+* :mod:`dashrun.wire.protocol`, :mod:`dashrun.wire.channel` — the one wire format.
 * :mod:`dashrun.memd` — dash-memd: catalogue, tiers, server.
-* :mod:`dashrun.launcher`, :mod:`dashrun.cli` — the ``dashrun`` command, a
+* :mod:`dashrun.launch.launcher`, :mod:`dashrun.launch.cli` — the ``dashrun`` command, a
   torchrun drop-in built on torch's own elastic launcher.
 * :mod:`dashrun.env` — every ``DASH_*`` variable the processes exchange.
 * :mod:`dashrun.errors` — exceptions and exit codes.
@@ -29,7 +29,7 @@ from dashrun.errors import ExitCode
 
 def __getattr__(name: str):
     if name == "Checkpointer":
-        from dashrun.checkpointer import Checkpointer
+        from dashrun.rank.checkpointer import Checkpointer
 
         return Checkpointer
     raise AttributeError(f"module 'dashrun' has no attribute {name!r}")

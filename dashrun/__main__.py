@@ -1,3 +1,3 @@
-from dashrun.cli import main
+from dashrun.launch.cli import main
 
 main()

@@ -1,4 +1,4 @@
-"""The environment contract between dashrun's processes, in one table.
+"""The contract between dashrun's processes: every ``DASH_*`` variable, the default port, the preemption record.
 
 ``dashrun`` (the launcher) sets these for its ranks and its ``dash-agent``;
 the command-line options of ``dashrun``, ``dash-agent`` and ``dash-memd`` read
@@ -12,7 +12,13 @@ identity beyond one checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+
+__all__ = ["ALL", "DEFAULT_PORT", "PreemptionRecord", "Var", "get"]
+
+#: The port dash-memd listens on and every client dials when an address names none.
+DEFAULT_PORT = 7070
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +50,74 @@ HOSTFILE = Var("DASH_HOSTFILE", "hostfile ('HOST slots=N' per line): start dashr
                "dashrun")
 SSH_CONFIG = Var("DASH_SSH_CONFIG", "OpenSSH client config for --hostfile (default ~/.ssh/config)", "user", "dashrun")
 REMOTE_PYTHON = Var("DASH_REMOTE_PYTHON", "Python that runs dashrun on the hosts of --hostfile", "user", "dashrun")
-CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.faults)", "tests", "all")
+LOG_LEVEL = Var("DASH_LOG_LEVEL", "logging level of dash-memd and dash-agent (DEBUG, INFO, WARNING)", "user",
+                "dash-memd, dash-agent")
+MEMD_TIMEOUT = Var("DASH_MEMD_TIMEOUT", "seconds a request to dash-memd may stay silent", "user", "dash-agent")
+DRAIN_TIMEOUT = Var("DASH_DRAIN_TIMEOUT", "seconds dash-agent gets to deliver handed-over shards when stopping", "user",
+                    "dash-agent")
+PARENT_PID = Var("DASH_PARENT_PID", "the launcher's pid: dash-agent exits (after draining) once it is gone", "dashrun",
+                 "dash-agent")
+UPLOAD_QUEUE = Var("DASH_UPLOAD_QUEUE", "uploads waiting at most; a full queue drops its oldest", "user", "dash-memd")
+MAX_CONNECTIONS = Var("DASH_MAX_CONNECTIONS", "clients dash-memd serves at once", "user", "dash-memd")
+AUTH_TIMEOUT = Var("DASH_AUTH_TIMEOUT", "seconds a new connection to dash-memd has to authenticate", "user", "dash-memd")
+IDLE_TIMEOUT = Var("DASH_IDLE_TIMEOUT", "seconds an authenticated connection to dash-memd may stay silent", "user",
+                   "dash-memd")
+SHUTDOWN_TIMEOUT = Var("DASH_SHUTDOWN_TIMEOUT", "seconds dash-memd gets to finish disk writes on SIGTERM", "user",
+                       "dash-memd")
+READY_FILE = Var("DASH_READY_FILE", "file dash-memd writes HOST:PORT to once it listens", "dashrun, tests", "dash-memd")
+TOKEN_OUT = Var("DASH_TOKEN_OUT", "where 'dash-memd token' writes a new token", "user", "dash-memd token")
+CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests", "all")
 
 ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,
-    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, CRASH_AT,
+    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
+    DRAIN_TIMEOUT, PARENT_PID, UPLOAD_QUEUE, MAX_CONNECTIONS, AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE,
+    TOKEN_OUT, CRASH_AT,
 )
 
 
 def get(var: Var, default: str | None = None) -> str | None:
     value = os.environ.get(var.name)
     return value if value not in (None, "") else default
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionRecord:
+    """dash-agent's record that its node must stop, which the launcher beside it watches.
+
+    Written once, atomically, as ``FILE`` beside the agent's socket (the
+    directory of ``DASH_AGENT_SOCKET``). ``reason`` is ``"notice"`` (this
+    node's cloud served an interruption notice: ``cloud``, ``kind`` and the
+    ``deadline`` in epoch seconds, None when unknown) or ``"job"`` (a rank of
+    this node took the job's emergency checkpoint of ``step``).
+    """
+
+    FILE = "preempted.json"
+    NOTICE, JOB = "notice", "job"
+
+    reason: str
+    cloud: str = ""
+    kind: str = ""
+    deadline: float | None = None
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reason not in (self.NOTICE, self.JOB):
+            raise ValueError(f"unknown preemption reason {self.reason!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PreemptionRecord:
+        """Raises ValueError for anything that is not a record this version wrote."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("a preemption record is a JSON object")
+        deadline, step = raw.get("deadline"), raw.get("step")
+        if (not isinstance(raw.get("cloud", ""), str) or not isinstance(raw.get("kind", ""), str)
+                or not (deadline is None or type(deadline) in (int, float))
+                or not (step is None or type(step) is int)):
+            raise ValueError("malformed preemption record")
+        return cls(reason=raw.get("reason"), cloud=raw.get("cloud", ""), kind=raw.get("kind", ""),
+                   deadline=None if deadline is None else float(deadline), step=step)

@@ -332,8 +332,9 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
     import boto3
     import torch
 
-    from dashrun.memd.objecttier import ObjectTier
-    from dashrun.protocol import CheckpointInfo, ShardHeader, crc32c
+    from dashrun.memd.tiers.object import ObjectTier
+    from dashrun.wire.messages import CheckpointInfo, ShardHeader
+    from dashrun.wire.protocol import crc32c
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -473,7 +474,7 @@ class TorchSave(Variant):
     def after_step(self, step: int) -> None:
         import torch
 
-        from dashrun.files import fsync_dir
+        from dashrun.util.files import fsync_dir
 
         if (step + 1) % self.interval:
             return
@@ -575,8 +576,8 @@ class Dashrun(Variant):
     def setup(self) -> None:
         import dashrun
         from dashrun import env
-        from dashrun.client import MemdClient
-        from dashrun.units import write_token
+        from dashrun.util.tokens import write_token
+        from dashrun.wire.memd_client import MemdClient
 
         self.dir.mkdir(parents=True, exist_ok=True)
         token_file = self.dir / "token"
@@ -592,7 +593,7 @@ class Dashrun(Variant):
         sock_path = self.dir / "agent.sock"
         self.agent_log = self.dir / "agent.log"
         self.agent = self.procs.start("dash-agent", pinned(
-            [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
+            [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
              "--socket", str(sock_path)], self.agent_core), log=self.agent_log, cwd=REPO, env=child_env())
 
         def accepting() -> bool:

@@ -46,9 +46,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dashrun  # noqa: E402
-from dashrun.client import MemdClient  # noqa: E402
-from dashrun.staging import bytes_of  # noqa: E402
-from dashrun.units import write_token  # noqa: E402
+from dashrun.rank.staging import bytes_of  # noqa: E402
+from dashrun.util.tokens import write_token  # noqa: E402
+from dashrun.wire.memd_client import MemdClient  # noqa: E402
 
 GiB = float(1 << 30)
 
@@ -159,7 +159,7 @@ class Daemons:
         self.host, port = ready.read_text().strip().rsplit(":", 1)
         self.port, self.token = int(port), token.read_bytes().strip()
         self.socket = scratch / "agent.sock"
-        self._start([sys.executable, "-m", "agent", "--memd", f"{self.host}:{self.port}", "--token-file", str(token),
+        self._start([sys.executable, "-m", "dashrun.agent", "--memd", f"{self.host}:{self.port}", "--token-file", str(token),
                      "--socket", str(self.socket)], "agent.log", env={**os.environ, "DASH_CLOUD": "none"})
         self._until(self.socket.exists, "dash-agent")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The rank's staging copy: streaming stores with the checksum (dashrun._ntcopy) against torch's copy_, side by side.
+"""The rank's staging copy: streaming stores with the checksum (dashrun.util._ntcopy) against torch's copy_, side by side.
 
 The rank copies the model and optimizer state into its shared-memory buffer
 on the training core while training goes on. This benchmark copies the same
@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from dashrun import staging  # noqa: E402
-from dashrun.checkpointer import PIECE  # noqa: E402
+from dashrun.rank import staging  # noqa: E402
+from dashrun.rank.checkpointer import PIECE  # noqa: E402
 
 
 def state(size_mib: int, layers: int = 4) -> list[torch.Tensor]:
@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     if not staging.streaming:
-        print("dashrun._ntcopy is not built or not usable here (no C compiler at install, or not x86-64 with "
+        print("dashrun.util._ntcopy is not built or not usable here (no C compiler at install, or not x86-64 with "
               "SSE4.2): nothing to compare")
         return 1
     cores = sorted(os.sched_getaffinity(0))

@@ -43,12 +43,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dashrun import channel  # noqa: E402
-from dashrun.channel import CHUNK  # noqa: E402
-from dashrun.client import MemdClient  # noqa: E402
-from dashrun.files import populated  # noqa: E402
-from dashrun.protocol import ShardHeader, crc32c  # noqa: E402
-from dashrun.units import write_token  # noqa: E402
+from dashrun.util.files import populated  # noqa: E402
+from dashrun.util.tokens import write_token  # noqa: E402
+from dashrun.wire import channel  # noqa: E402
+from dashrun.wire.channel import CHUNK  # noqa: E402
+from dashrun.wire.memd_client import MemdClient  # noqa: E402
+from dashrun.wire.messages import ShardHeader  # noqa: E402
+from dashrun.wire.protocol import crc32c  # noqa: E402
 
 
 def staged(nbytes: int) -> memoryview:

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dashrun.client import MemdClient
-from dashrun.units import write_token
+from dashrun.util.tokens import write_token
+from dashrun.wire.memd_client import MemdClient
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "bin" / "train.py"
@@ -172,7 +172,7 @@ class Agent:
         self.memd, self.socket_path, self.log_path = memd, socket_path, log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "--memd", memd.address, "--token-file", str(memd.token_file),
+            [sys.executable, "-m", "dashrun.agent", "--memd", memd.address, "--token-file", str(memd.token_file),
              "--socket", str(socket_path), "--memd-timeout", "10", "--drain-timeout", "10"],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         wait_for(lambda: socket_path.exists() or self.proc.poll() is not None, 30, "dash-agent to listen")
@@ -209,7 +209,7 @@ def agent_factory(short_tmp, tmp_path):
 @pytest.fixture
 def rank_env(monkeypatch):
     """Build a Checkpointer as rank ``rank`` of ``world`` (ranks simulated in one process), talking to ``agent``."""
-    from dashrun.checkpointer import Checkpointer
+    from dashrun.rank.checkpointer import Checkpointer
 
     def make(agent, job, rank, world, **objects) -> Checkpointer:
         monkeypatch.setenv("RANK", str(rank))

@@ -25,7 +25,6 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.config import Config
-
 from conftest import wait_for
 
 ACCESS_KEY = "testing-access-key"

@@ -8,7 +8,8 @@ import pytest
 from dashrun.errors import ConflictError, NoSpaceError, NotFoundError
 from dashrun.memd.catalogue import Catalogue, State
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import ShardHeader, crc32c
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import crc32c
 
 LAYOUT = "ef" * 32
 

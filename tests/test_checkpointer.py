@@ -12,14 +12,14 @@ import os
 
 import pytest
 import torch
-
-from dashrun import checkpointer as checkpointer_module
-from dashrun import staging
-from dashrun.agentlink import AgentLink
-from dashrun.errors import UnavailableError
-from dashrun.protocol import Kind, ShardHeader
-
 from conftest import load_fake_metadata, wait_for
+
+from dashrun.errors import UnavailableError
+from dashrun.rank import checkpointer as checkpointer_module
+from dashrun.rank import staging
+from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import Kind
 
 
 class Cursor:
@@ -81,7 +81,7 @@ def test_round_trip_restores_every_object(stack, rank_env):
     ckpt.close()
 
 
-@pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built, or not x86-64 with SSE4.2")
+@pytest.mark.skipif(not staging.streaming, reason="dashrun.util._ntcopy not built, or not x86-64 with SSE4.2")
 def test_large_tensors_are_staged_with_streaming_stores_and_restore_exactly(stack, rank_env, monkeypatch):
     _, agent = stack
     torch.manual_seed(3)
@@ -127,7 +127,7 @@ def _final_progress(ckpt, monkeypatch) -> list[dict]:
     return sent
 
 
-@pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built, or not x86-64 with SSE4.2")
+@pytest.mark.skipif(not staging.streaming, reason="dashrun.util._ntcopy not built, or not x86-64 with SSE4.2")
 def test_the_rank_checksums_its_shard_and_dash_memd_verifies_that_checksum(stack, rank_env, monkeypatch):
     memd, agent = stack
     model, opt, sched = trained_objects()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, TRAIN, dashrun_cmd
-from dashrun.launcher import build_parser
+
+from dashrun.launch.launcher import build_parser
 
 ENVDUMP = REPO / "tests" / "bin" / "envdump.py"
 

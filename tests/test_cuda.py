@@ -15,10 +15,9 @@ import sys
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import TRAIN, dashrun_cmd, kill_tree, wait_for
 from runs import assert_identical, final_states, last_step, starts
+from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

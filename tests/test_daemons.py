@@ -77,7 +77,7 @@ def test_dashrun_usage_errors(tmp_path, token_file):
 
 
 def test_dashrun_refuses_to_start_with_a_token_memd_does_not_accept(memd, tmp_path):
-    from dashrun.units import write_token
+    from dashrun.util.tokens import write_token
 
     other = tmp_path / "other-token"
     write_token(other)

@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, kill_tree, wait_for
 from runs import assert_identical, last_step, starts
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import REPO, TRAIN, kill_tree, wait_for
-from dashrun import hosts
+
 from dashrun.errors import UnavailableError, UsageError
-from dashrun.launcher import build_parser
+from dashrun.launch import fanout as hosts
+from dashrun.launch.launcher import build_parser
 
 SSHD = Path("/usr/sbin/sshd")
 needs_sshd = pytest.mark.skipif(

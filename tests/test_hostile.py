@@ -6,7 +6,7 @@ the attacker was refused (an ERROR frame with the right code, or a closed
 connection), nothing was allocated or stored for it, and the daemon still
 serves good clients with their data intact.
 
-Frames are built by hand from :mod:`dashrun.protocol` so that lengths,
+Frames are built by hand from :mod:`dashrun.wire.protocol` so that lengths,
 checksums and kinds can be wrong on purpose. Nothing here sleeps to
 synchronise: every wait is a blocking read or a poll with a deadline.
 """
@@ -25,14 +25,27 @@ import psutil
 import pytest
 from conftest import wait_for
 
-from dashrun.channel import Channel, client_handshake
-from dashrun.client import MemdClient
 from dashrun.errors import AuthError, BusyError
-from dashrun.protocol import (
-    HEADER, MAGIC, MAX_BODY, MAX_BODY_PREAUTH, MAX_BYTES, TRAILER, VERSION, Kind, ShardHeader, crc32c,
-    decode_body, decode_header, encode_body, encode_header,
+from dashrun.util.tokens import write_token
+from dashrun.wire.auth import client_handshake
+from dashrun.wire.channel import Channel
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import (
+    HEADER,
+    MAGIC,
+    MAX_BODY,
+    MAX_BODY_PREAUTH,
+    MAX_BYTES,
+    TRAILER,
+    VERSION,
+    Kind,
+    crc32c,
+    decode_body,
+    decode_header,
+    encode_body,
+    encode_header,
 )
-from dashrun.units import write_token
 
 LAYOUT = "ab" * 32
 #: Longest any single blocking read of a test may take before the test fails.

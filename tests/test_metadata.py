@@ -16,10 +16,10 @@ import time
 
 import pytest
 import requests
-
-from agent import pollers
-from agent.pollers import AwsPoller, AzurePoller, GcpPoller, Notice, NoticeKind
 from conftest import REPO, load_fake_metadata, wait_for
+
+from dashrun.agent import pollers
+from dashrun.agent.pollers import AwsPoller, AzurePoller, GcpPoller, Notice, NoticeKind
 from dashrun.errors import UsageError
 
 fake_metadata = load_fake_metadata()
@@ -97,7 +97,7 @@ def lab():
 @pytest.fixture
 def problems(caplog):
     """The kinds of problem the pollers logged at WARNING (each must appear once)."""
-    caplog.set_level(logging.DEBUG, logger="agent.pollers")
+    caplog.set_level(logging.DEBUG, logger="dashrun.agent.pollers")
 
     def kinds(level: int = logging.WARNING) -> list[str]:
         return [r.metadata_problem for r in list(caplog.records)
@@ -461,6 +461,6 @@ def test_notice_is_a_validated_value():
 
 
 def test_pollers_do_not_import_torch():
-    code = "import sys, agent.pollers; print('torch' in sys.modules)"
+    code = "import sys, dashrun.agent.pollers; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "False"

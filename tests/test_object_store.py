@@ -11,15 +11,16 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, wait_for
-from dashrun.errors import ChecksumError, UnavailableError
-from dashrun.memd.catalogue import Catalogue, State
-from dashrun.memd.objecttier import ObjectTier
-from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import JobSpec, crc32c
 from runs import assert_identical, starts
 from test_catalogue import deliver, headers
+
+from dashrun.errors import ChecksumError, UnavailableError
+from dashrun.memd.catalogue import Catalogue, State
+from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.tiers.object import ObjectTier
+from dashrun.wire.messages import JobSpec
+from dashrun.wire.protocol import crc32c
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 

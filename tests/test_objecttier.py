@@ -16,16 +16,16 @@ import time
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
-
 from conftest import wait_for
 
 pytest.register_assert_rewrite("s3server")  # before the import below, so its asserts report well
-from dashrun.errors import ChecksumError, NotFoundError, UnavailableError, UsageError
-from dashrun.memd.objecttier import ObjectTier
-from dashrun.memd.tiers import DiskTier
-from dashrun.protocol import JobSpec
 from s3server import S3Server, make_bucket, use_endpoint
 from test_tiers import make_checkpoint
+
+from dashrun.errors import ChecksumError, NotFoundError, UnavailableError, UsageError
+from dashrun.memd.tiers import DiskTier
+from dashrun.memd.tiers.object import ObjectTier
+from dashrun.wire.messages import JobSpec
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 
@@ -261,8 +261,8 @@ def test_another_process_reads_the_same_checkpoints_and_specs(s3_bucket):
     expected_crc = info.shards[1].crc
 
     code = ("import json, sys\n"
-            "from dashrun.memd.objecttier import ObjectTier\n"
-            "from dashrun.protocol import crc32c\n"
+            "from dashrun.memd.tiers.object import ObjectTier\n"
+            "from dashrun.wire.protocol import crc32c\n"
             "tier = ObjectTier(sys.argv[1])\n"
             "with tier.open('job-b', 7, 1) as view:\n"
             "    crc = crc32c(view)\n"

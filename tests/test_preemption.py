@@ -16,7 +16,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, kill_tree, load_fake_metadata, wait_for
 from runs import assert_identical, last_step, preempted_at, starts
 

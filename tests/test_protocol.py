@@ -12,13 +12,11 @@ import threading
 
 import pytest
 
-from dashrun import protocol
-from dashrun.channel import CHUNK, Channel, peer_on_this_machine
 from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
-from dashrun.protocol import (
-    HEADER, MAX_BODY, CheckpointInfo, Kind, ShardHeader, crc32c, decode_body, decode_header, encode_body,
-    encode_header,
-)
+from dashrun.wire import protocol
+from dashrun.wire.channel import CHUNK, Channel, peer_on_this_machine
+from dashrun.wire.messages import CheckpointInfo, ShardHeader
+from dashrun.wire.protocol import HEADER, MAX_BODY, Kind, crc32c, decode_body, decode_header, encode_body, encode_header
 
 
 def test_crc32c_is_castagnoli():
@@ -126,7 +124,7 @@ def test_channel_round_trip_with_data_and_trailer():
 
 @pytest.mark.parametrize("helper", [True, False], ids=["landing-buffer", "straight-in"])
 def test_channel_receives_large_data_exactly_into_unaligned_views(monkeypatch, helper):
-    from dashrun import channel
+    from dashrun.wire import channel
 
     if helper and channel._ntcopy is None:
         pytest.skip("dashrun's C helper is not built here")

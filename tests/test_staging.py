@@ -1,4 +1,4 @@
-"""The staging copy: streaming stores (dashrun._ntcopy) give the same bytes as torch's copy_, and the
+"""The staging copy: streaming stores (dashrun.util._ntcopy) give the same bytes as torch's copy_, and the
 checksum computed as they copy is the CRC-32C dash-memd computes."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import sysconfig
 import pytest
 import torch
 
-from dashrun import staging
-from dashrun.protocol import crc32c
+from dashrun.rank import staging
+from dashrun.wire.protocol import crc32c
 
-needs_helper = pytest.mark.skipif(not staging.streaming, reason="dashrun._ntcopy not built, or not x86-64 with SSE4.2")
+needs_helper = pytest.mark.skipif(not staging.streaming, reason="dashrun.util._ntcopy not built, or not x86-64 with SSE4.2")
 
 
 def test_the_helper_is_built_where_it_can_be():
     if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
         pytest.skip("no C compiler here: dashrun stages with torch's copy_")
-    assert staging._ntcopy is not None, "pip install -e . should have built dashrun._ntcopy"
+    assert staging._ntcopy is not None, "pip install -e . should have built dashrun.util._ntcopy"
     assert staging.streaming == (platform.machine() in ("x86_64", "AMD64"))  # every x86-64 of this decade: SSE4.2
 
 

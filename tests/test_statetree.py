@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dashrun import statetree
 from dashrun.errors import UsageError
+from dashrun.rank import statetree
 
 
 def round_trip(tree, copy=True):

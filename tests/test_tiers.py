@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from dashrun.errors import NotFoundError
-from dashrun.files import write_new
-from dashrun.memd.objecttier import ObjectTier
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import CheckpointInfo, JobSpec, ShardHeader, crc32c
+from dashrun.memd.tiers.object import ObjectTier
+from dashrun.util.files import write_new
+from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
+from dashrun.wire.protocol import crc32c
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 

@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Iterator
 
 from dashrun.errors import ChecksumError, ConflictError, DashError, NoSpaceError, NotFoundError, UnavailableError
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import CheckpointInfo, JobSpec, NoticeInfo, ShardHeader, tiling_problem
-from dashrun.units import format_size
+from dashrun.util.units import format_size
+from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader, tiling_problem
 
 if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
-    from dashrun.memd.objecttier import ObjectTier
+    from dashrun.memd.tiers.object import ObjectTier
 
 log = logging.getLogger(__name__)
 
@@ -595,7 +595,7 @@ class Catalogue:
         with self._cond:
             return self._specs.get(job)
 
-    def record_notice(self, job: str, notice: NoticeInfo) -> None:
+    def record_notice(self, job: str, notice: Notice) -> None:
         log.warning("%s: %s notice from %s (%s)", job, notice.kind, notice.node or "a node", notice.cloud)
         with self._cond:
             self._notices[job] = {**notice.to_body(), "at": time.time()}

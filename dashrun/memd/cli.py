@@ -11,10 +11,13 @@ import click
 import psutil
 
 from dashrun import env
-from dashrun.console import block_stop_signals, next_stop_signal, run_click, setup_logging
+from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode, UsageError
-from dashrun.memd.config import DEFAULT_PORT, MemdConfig
-from dashrun.units import format_size, parse_address, parse_size, read_token, write_token
+from dashrun.memd.config import MemdConfig
+from dashrun.util.console import run_click, setup_logging
+from dashrun.util.signals import block_stop_signals, next_stop_signal
+from dashrun.util.tokens import read_token, write_token
+from dashrun.util.units import format_size, parse_address, parse_size
 
 PROGRAM = "dash-memd"
 log = logging.getLogger(PROGRAM)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from dashrun.errors import UsageError
 
-DEFAULT_PORT = 7070
-
 
 @dataclasses.dataclass(frozen=True)
 class MemdConfig:

@@ -3,7 +3,7 @@
 Every connection must prove it holds the cluster's token within
 ``auth_timeout`` before any state is touched; until then a body may not
 exceed 4 KiB and no data is accepted. Afterwards a client sends requests one
-at a time; each is validated field by field (:mod:`dashrun.protocol`) and
+at a time; each is validated field by field (:mod:`dashrun.wire.protocol`) and
 answered with OK or ERROR. A request that breaks the framing closes the
 connection; one that is merely refused (no space, not found) does not.
 """
@@ -19,15 +19,15 @@ import time
 from typing import Callable
 
 from dashrun import errors
-from dashrun.channel import Channel, Frame, server_handshake
 from dashrun.errors import DashError, ProtocolError, UnavailableError
-from dashrun.files import write_atomic
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.protocol import (
-    JobSpec, Kind, NoticeInfo, ShardHeader, field_bool, field_float, field_int, field_job, field_step, field_str,
-)
+from dashrun.util.files import write_atomic
+from dashrun.wire.auth import server_handshake
+from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.messages import JobSpec, Notice, ShardHeader
+from dashrun.wire.protocol import Kind, field_bool, field_float, field_int, field_job, field_step, field_str
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class MemdServer:
         self.config = config
         objects = None
         if config.s3:
-            from dashrun.memd.objecttier import ObjectTier  # boto3 only when asked for
+            from dashrun.memd.tiers.object import ObjectTier  # boto3 only when asked for
             objects = ObjectTier(config.s3)
         self.catalogue = Catalogue(RamTier(config.memory_limit), DiskTier(config.data_dir),
                                    keep_ram=config.keep_ram, keep_disk=config.keep_disk, objects=objects,
@@ -288,7 +288,7 @@ class MemdServer:
         ch.send(Kind.OK, {"deleted": deleted})
 
     def _notice(self, ch: Channel, frame: Frame) -> None:
-        self.catalogue.record_notice(field_job(frame.body), NoticeInfo.from_body(frame.body))
+        self.catalogue.record_notice(field_job(frame.body), Notice.from_body(frame.body))
         ch.send(Kind.OK)
 
     def _ping(self, ch: Channel, frame: Frame) -> None:

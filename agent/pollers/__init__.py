@@ -44,9 +44,7 @@ quick and quiet (nothing above DEBUG). Nothing here imports torch.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import email.utils
-import enum
 import json
 import logging
 import os
@@ -61,10 +59,10 @@ from typing import Any, ClassVar
 import requests
 
 from dashrun.errors import UnavailableError, UsageError
+from dashrun.wire.messages import CLOUDS, Notice, NoticeKind
 
 log = logging.getLogger(__name__)
 
-CLOUDS = ("aws", "gcp", "azure")
 CHOICES = ("auto", *CLOUDS, "none")
 
 #: the clouds' own SDK variables for the metadata service's address
@@ -79,56 +77,6 @@ AZURE_DEFAULT = "http://169.254.169.254"
 
 AZURE_EVENTS_VERSION = "2020-07-01"
 AZURE_INSTANCE_VERSION = "2021-02-01"
-
-
-class NoticeKind(str, enum.Enum):
-    TERMINATE = "terminate"  # the VM is deleted (AWS terminate, Azure Terminate)
-    STOP = "stop"  # AWS: stopped; memory and instance store are lost
-    HIBERNATE = "hibernate"  # AWS: hibernated, with no lead time
-    PREEMPT = "preempt"  # GCP preempted, Azure Preempt
-    MAINTENANCE = "maintenance"  # GCP TERMINATE_ON_HOST_MAINTENANCE; Azure Reboot/Redeploy/Freeze
-    REBALANCE = "rebalance"  # AWS: elevated risk of interruption; no deadline
-
-
-@dataclasses.dataclass(frozen=True)
-class Notice:
-    """One interruption notice (or early warning) as the metadata service served it.
-
-    ``deadline`` is epoch seconds: AWS's ``time``, Azure's ``NotBefore`` (the
-    moment an event already started was seen, when blank), GCP's preemption
-    first seen + 30 s, a GCP maintenance event first seen + 1 h; None when the
-    cloud gives none (rebalance). ``early_warning`` marks notices with a long
-    or no lead: checkpoint soon, there is time. ``id`` identifies the notice:
-    the same notice served again has the same id.
-    """
-
-    cloud: str
-    kind: NoticeKind
-    deadline: float | None
-    early_warning: bool = False
-    id: str = ""
-    detail: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    seen_at: float = dataclasses.field(default_factory=time.time, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.cloud not in CLOUDS:
-            raise ValueError(f"cloud must be one of {', '.join(CLOUDS)}, not {self.cloud!r}")
-        object.__setattr__(self, "kind", NoticeKind(self.kind))
-        if self.deadline is not None:
-            object.__setattr__(self, "deadline", float(self.deadline))
-        object.__setattr__(self, "detail", dict(self.detail))
-
-    def seconds_left(self, now: float | None = None) -> float | None:
-        """Seconds until the deadline (negative once past); None without a deadline."""
-        if self.deadline is None:
-            return None
-        return self.deadline - (time.time() if now is None else now)
-
-    def describe(self) -> str:
-        left = self.seconds_left()
-        when = "no deadline" if left is None else f"in {left:.0f} s"
-        early = " (early warning)" if self.early_warning else ""
-        return f"{self.cloud} {self.kind.value} notice{early}, {when}"
 
 
 class MetadataError(UnavailableError):

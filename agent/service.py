@@ -21,7 +21,6 @@ however many ranks it runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import mmap
 import os
@@ -33,16 +32,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.pollers import Notice, Poller, make_poller
-from dashrun import image
-from dashrun.channel import Channel, Frame
-from dashrun.client import MemdClient
+from dashrun.agent.pollers import Poller, make_poller
+from dashrun.env import PreemptionRecord
 from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, UnavailableError
-from dashrun.files import unmap, write_atomic
-from dashrun.protocol import (
-    MAX_STEP, MAX_WORLD, PREEMPTED_FILE, CheckpointInfo, Kind, NoticeInfo, ShardHeader, field_bool, field_float,
-    field_int, field_job, field_step,
-)
+from dashrun.util.files import unmap, write_atomic
+from dashrun.wire import image
+from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import CheckpointInfo, Notice, ShardHeader
+from dashrun.wire.protocol import MAX_STEP, MAX_WORLD, Kind, field_bool, field_float, field_int, field_job, field_step
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +75,7 @@ class AgentConfig:
     @property
     def preempted_file(self) -> Path:
         """Written when this node must stop: its notice arrived, or its ranks took an emergency checkpoint."""
-        return self.socket_path.parent / PREEMPTED_FILE
+        return self.socket_path.parent / PreemptionRecord.FILE
 
 
 @dataclasses.dataclass
@@ -279,7 +277,7 @@ class RankConnection:
             except UnavailableError:
                 pass
 
-    def send_notice(self, notice: NoticeInfo) -> None:
+    def send_notice(self, notice: Notice) -> None:
         with self._send_lock:
             try:
                 self.ch.send(Kind.NOTICE, notice.to_body())
@@ -406,8 +404,7 @@ class AgentServer:
         self._connections: list[RankConnection] = []
         self._lock = threading.Lock()
         self._reported: dict[str, str] = {}
-        self.notice: NoticeInfo | None = None      # the most serious notice this node received
-        self._cloud_notice: Notice | None = None   # ... as the poller reported it (to acknowledge it)
+        self.notice: Notice | None = None      # the most serious notice this node received
         self._poller: Poller | None = None
         self._acknowledged = False
 
@@ -458,38 +455,38 @@ class AgentServer:
         self._poller = poller.start(self._on_notice)
 
     def _on_notice(self, notice: Notice) -> None:
-        info = NoticeInfo(kind=notice.kind.value, cloud=notice.cloud, early=notice.early_warning,
-                          deadline=notice.deadline, node=self.config.node)
+        info = dataclasses.replace(notice, node=self.config.node)
         with self._lock:
             if not info.outranks(self.notice):
                 return  # nothing more serious than what the ranks already know
-            self.notice, self._cloud_notice = info, notice
+            self.notice = info
             connections = list(self._connections)
         log.warning("%s", notice.describe())
         for conn in connections:
             conn.send_notice(info)
-        if not info.early:
-            self._mark_preempted({"reason": "notice", "notice": info.to_body()})
+        if not info.early_warning:
+            self._mark_preempted(PreemptionRecord(PreemptionRecord.NOTICE, cloud=info.cloud, kind=info.kind.value,
+                                                  deadline=info.deadline))
         if self.config.job:
             threading.Thread(target=self._record_notice, args=(info,), daemon=True).start()
 
-    def _record_notice(self, info: NoticeInfo) -> None:
+    def _record_notice(self, info: Notice) -> None:
         try:
             with self.memd_client() as client:
                 client.notice(self.config.job, info)
         except DashError as e:
             log.warning("could not record the notice in dash-memd: %s", e)
 
-    def _mark_preempted(self, record: dict) -> None:
+    def _mark_preempted(self, record: PreemptionRecord) -> None:
         if not self.config.preempted_file.exists():
-            write_atomic(self.config.preempted_file, json.dumps(record))
+            write_atomic(self.config.preempted_file, record.to_json())
 
     def emergency_stored(self, header: ShardHeader) -> None:
         """A rank of this node took its emergency checkpoint: this node stops, and the cloud may be told."""
-        self._mark_preempted({"reason": "job", "step": header.step})
-        if self._poller is not None and self._cloud_notice is not None and not self._acknowledged:
+        self._mark_preempted(PreemptionRecord(PreemptionRecord.JOB, step=header.step))
+        if self._poller is not None and self.notice is not None and not self._acknowledged:
             self._acknowledged = True
-            threading.Thread(target=self._acknowledge, args=(header, self._cloud_notice), daemon=True).start()
+            threading.Thread(target=self._acknowledge, args=(header, self.notice), daemon=True).start()
 
     def _acknowledge(self, header: ShardHeader, notice: Notice) -> None:
         """Azure: start the event early once the whole checkpoint is committed (the others do nothing)."""

@@ -3,7 +3,7 @@
 The staged bytes are written once and never read again by the rank: the agent
 reads them from the segment. An ordinary copy reads every destination line
 into the cache before writing it and evicts the training's own data; with
-non-temporal stores (dashrun's C helper ``dashrun._ntcopy``, built at install
+non-temporal stores (dashrun's C helper ``dashrun.util._ntcopy``, built at install
 where a C compiler is present; x86-64 with SSE4.2) the copy costs the training
 core a quarter or more less CPU. The same loop computes the bytes' CRC-32C from
 the registers it copies through, so the rank hands over its shard with the
@@ -17,10 +17,10 @@ import ctypes
 
 import torch
 
-from dashrun.protocol import crc32c
+from dashrun.wire.protocol import crc32c
 
 try:
-    from dashrun import _ntcopy
+    from dashrun.util import _ntcopy
 except ImportError:  # not built (no C compiler at install): torch's copy_ does the work
     _ntcopy = None
 

@@ -11,9 +11,11 @@ import socket
 import threading
 from typing import Any, Callable, Sequence
 
-from dashrun.channel import Channel, client_handshake
 from dashrun.errors import ProtocolError, UnavailableError
-from dashrun.protocol import MAX_BYTES, CheckpointInfo, JobSpec, Kind, NoticeInfo, ShardHeader
+from dashrun.wire.auth import client_handshake
+from dashrun.wire.channel import Channel
+from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader
+from dashrun.wire.protocol import MAX_BYTES, Kind
 
 
 class MemdClient:
@@ -135,6 +137,6 @@ class MemdClient:
         """Delete a job's checkpoints but the newest ``keep`` (0: everything, launch spec included)."""
         return self._request(lambda ch: ch.call(Kind.DELETE, {"job": job, "keep": keep}).body.get("deleted", []))
 
-    def notice(self, job: str, notice: NoticeInfo) -> None:
+    def notice(self, job: str, notice: Notice) -> None:
         """Record an interruption notice on the job (shown by ``dashrun status``)."""
         self._request(lambda ch: ch.call(Kind.NOTICE, {"job": job, **notice.to_body()}))

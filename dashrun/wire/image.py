@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from dashrun.client import MemdClient
-from dashrun.protocol import CheckpointInfo
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import CheckpointInfo
 
 _ALIGN = 64
 

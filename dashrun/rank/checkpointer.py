@@ -5,7 +5,7 @@ next forward/backward — module buffers, RNG states, scheduler and data
 cursor — is copied at once into a reused shared-memory buffer; it is small.
 Parameters and optimizer state change only in ``optimizer.step()``, so their
 copy runs on a background thread beside the next forward/backward (with
-streaming stores where it can, see dashrun.staging), and a pre-hook on every
+streaming stores where it can, see dashrun.rank.staging), and a pre-hook on every
 optimizer's ``step()`` waits for it: the training step is blocked only if
 the copy is slower than a forward/backward. On CUDA the buffer is pinned and
 the copy runs on a side stream that the compute stream waits for on the GPU,
@@ -45,12 +45,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from dashrun import env, image, staging, statetree
-from dashrun.agentlink import AgentLink
+from dashrun import env
 from dashrun.errors import DashError, UnavailableError, UsageError
-from dashrun.faults import crash_point
-from dashrun.files import unmap
-from dashrun.protocol import CheckpointInfo, Kind, NoticeInfo, ShardHeader
+from dashrun.rank import staging, statetree
+from dashrun.util.faults import crash_point
+from dashrun.util.files import unmap
+from dashrun.wire import image
+from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.messages import CheckpointInfo, Notice, ShardHeader
+from dashrun.wire.protocol import Kind
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +241,7 @@ class Checkpointer:
             log.warning("dashrun.Checkpointer: not launched by dashrun (%s is unset): checkpointing is off",
                         env.AGENT_SOCKET.name if not self._socket else env.JOB_ID.name)
         # Set before the link exists: its reader thread may deliver a notice the moment it connects.
-        self._notice: NoticeInfo | None = None    # the most serious notice this node's agent pushed
+        self._notice: Notice | None = None    # the most serious notice this node's agent pushed
         self._notice_flag: torch.Tensor | None = None
         self._notice_work = None                 # the all-reduce of every rank's notice, one step behind
         self._notice_group = None
@@ -275,9 +278,9 @@ class Checkpointer:
         if not self.enabled or self.preempted:
             return False
         level, deadline = self._agreed_notice()
-        if level >= NoticeInfo.PREEMPT:
+        if level >= Notice.PREEMPT:
             return self._emergency(step, deadline)
-        interval = min(self.interval, self.early_interval) if level >= NoticeInfo.EARLY else self.interval
+        interval = min(self.interval, self.early_interval) if level >= Notice.EARLY else self.interval
         if not force and self._last_step is not None and step - self._last_step < interval:
             return False
         if not force and self._last_step is None and (step + 1) % interval:
@@ -309,13 +312,13 @@ class Checkpointer:
     def _on_notice(self, body: dict[str, Any]) -> None:
         """From the agent's reader thread: record the notice; save() acts on it, on every rank at once."""
         try:
-            notice = NoticeInfo.from_body(body)
+            notice = Notice.from_body(body)
         except DashError:
             return
         if not notice.outranks(self._notice):
             return
         self._notice = notice
-        if notice.early:
+        if notice.early_warning:
             log.warning("dashrun: %s early warning (%s): checkpointing every %d steps", notice.cloud, notice.kind,
                         self.early_interval)
         else:
@@ -332,7 +335,7 @@ class Checkpointer:
         """
         notice = self._notice
         level = 0 if notice is None else notice.severity
-        deadline = notice.deadline if notice is not None and not notice.early and notice.deadline else None
+        deadline = notice.deadline if notice is not None and not notice.early_warning and notice.deadline else None
         if self.world == 1 or not _in_process_group():
             return level, deadline
         agreed, agreed_deadline = 0, None

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from dashrun import env
-from dashrun.console import STOP_SIGNALS, next_stop_signal
 from dashrun.errors import DashError, ExitCode, UnavailableError, UsageError
+from dashrun.util.signals import STOP_SIGNALS, next_stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +254,10 @@ def remote_command(*, cwd: str, python: str, environment: dict[str, str], argv: 
 
 def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser) -> HostsConfig:
     """Everything the hosts need, decided here once: the job id, the rendezvous, each host's command."""
-    from dashrun.launcher import derive_job_id
-    from dashrun.memd.config import DEFAULT_PORT
-    from dashrun.protocol import valid_job_id
-    from dashrun.units import parse_address
+    from dashrun.env import DEFAULT_PORT
+    from dashrun.launch.launcher import derive_job_id
+    from dashrun.util.units import parse_address
+    from dashrun.wire.protocol import valid_job_id
 
     hosts = read_hostfile(args.hostfile)
     if args.standalone:

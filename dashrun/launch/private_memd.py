@@ -22,7 +22,8 @@ from pathlib import Path
 import psutil
 
 from dashrun.errors import UnavailableError, UsageError
-from dashrun.units import parse_address, write_token
+from dashrun.util.tokens import write_token
+from dashrun.util.units import parse_address
 
 START_TIMEOUT = 60.0
 ADDRESS_FILE = "memd.addr"

@@ -7,7 +7,6 @@ Only entry points call these; library code logs through
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 
 from dashrun.errors import DashError, ExitCode
@@ -49,24 +48,3 @@ def run_click(command, program: str, argv: list[str] | None = None) -> None:
     except DashError as e:
         sys.exit(report(program, e))
     sys.exit(ExitCode.OK)
-
-
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
-
-
-def block_stop_signals() -> None:
-    """Hold SIGTERM/SIGINT pending instead of interrupting; call before starting any thread.
-
-    The daemons then take them with :func:`next_stop_signal` in their main
-    loop: no handler runs at an arbitrary point (a handler that takes a lock
-    the interrupted code holds deadlocks), and every thread inherits the mask.
-    """
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-
-
-def next_stop_signal(timeout: float | None = None) -> int | None:
-    """Wait for SIGTERM or SIGINT (blocked by :func:`block_stop_signals`); None on timeout."""
-    if timeout is None:
-        return signal.sigwait(STOP_SIGNALS)
-    info = signal.sigtimedwait(STOP_SIGNALS, timeout)
-    return info.si_signo if info else None

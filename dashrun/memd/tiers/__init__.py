@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from dashrun.errors import ChecksumError, NoSpaceError, NotFoundError, ProtocolError
-from dashrun.faults import crash_point
-from dashrun.files import fsync_dir, populated, unmap, write_atomic, write_new
-from dashrun.protocol import CheckpointInfo, JobSpec, crc32c, valid_job_id
-from dashrun.units import format_size
+from dashrun.util.faults import crash_point
+from dashrun.util.files import fsync_dir, populated, unmap, write_atomic, write_new
+from dashrun.util.units import format_size
+from dashrun.wire.messages import CheckpointInfo, JobSpec
+from dashrun.wire.protocol import crc32c, valid_job_id
 
 log = logging.getLogger(__name__)
 

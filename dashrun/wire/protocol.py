@@ -19,7 +19,7 @@ without a second pass. Nothing is ever unpickled: bodies are JSON, data is
 bytes. Every length is bounded before anything is allocated for it, and every
 field a peer sends is checked by the ``parse_*`` functions below before use.
 
-This module is pure: it does no I/O (see :mod:`dashrun.channel`).
+This module is pure: it does no I/O (see :mod:`dashrun.wire.channel`).
 """
 
 from __future__ import annotations
@@ -50,11 +50,9 @@ MAX_BYTES = 1 << 50
 MAX_STEP = (1 << 53) - 1
 MAX_WORLD = 1 << 16
 MAX_FDS = 4
-#: Beside the agent's socket: the agent's record that this node must stop, which dashrun watches.
-PREEMPTED_FILE = "preempted.json"
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _NONCE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -206,194 +204,8 @@ def field_nonce(body: dict, name: str) -> str:
 
 def field_digest(body: dict, name: str) -> str:
     """A SHA-256 digest or HMAC as 64 lowercase hex digits."""
-    return field_str(body, name, 64, _HEX_DIGEST)
+    return field_str(body, name, 64, HEX_DIGEST)
 
 
 def field_step(body: dict, name: str = "step") -> int:
     return field_int(body, name, 0, MAX_STEP)
-
-
-# --- messages that carry structure --------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardHeader:
-    """What a rank's shard of one checkpoint holds, as announced in PUT_SHARD.
-
-    A shard's bytes are ``[replicated slice][private][meta]``: the rank's slice
-    ``[rep_start, rep_end)`` of the state every rank holds alike (so replicated
-    state crosses the wire once, split between ranks), the rank's own private
-    tensors (RNG, data cursor), and its layout description (JSON) — opaque to
-    dash-memd, which checks only that the slices of all ranks tile
-    ``[0, rep_total)`` and that every rank announced the same ``layout`` digest.
-    """
-
-    job: str
-    step: int
-    rank: int
-    world: int
-    rep_total: int
-    rep_start: int
-    rep_end: int
-    private_len: int
-    meta_len: int
-    layout: str
-    crc: int = 0  # CRC-32C of the shard's bytes; 0 until they are verified
-
-    @property
-    def nbytes(self) -> int:
-        return self.rep_end - self.rep_start + self.private_len + self.meta_len
-
-    def to_body(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_body(cls, body: dict) -> ShardHeader:
-        world = field_int(body, "world", 1, MAX_WORLD)
-        rep_total = field_int(body, "rep_total")
-        rep_start = field_int(body, "rep_start", 0, rep_total)
-        header = cls(
-            job=field_job(body),
-            step=field_step(body),
-            rank=field_int(body, "rank", 0, world - 1),
-            world=world,
-            rep_total=rep_total,
-            rep_start=rep_start,
-            rep_end=field_int(body, "rep_end", rep_start, rep_total),
-            private_len=field_int(body, "private_len"),
-            meta_len=field_int(body, "meta_len", 0, MAX_BODY * 16),
-            layout=field_str(body, "layout", 64, _HEX_DIGEST),
-            crc=field_int(body, "crc", 0, 0xFFFFFFFF, default=0),
-        )
-        if header.nbytes > MAX_BYTES:
-            raise ProtocolError("shard too large")
-        return header
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint as dash-memd describes it (also its manifest on disk)."""
-
-    job: str
-    step: int
-    world: int
-    rep_total: int
-    layout: str
-    committed_at: float
-    shards: tuple[ShardHeader, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.shards)
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "job": self.job, "step": self.step, "world": self.world, "rep_total": self.rep_total,
-            "layout": self.layout, "committed_at": self.committed_at,
-            "shards": [s.to_body() for s in self.shards],
-        }
-
-    @classmethod
-    def from_body(cls, body: dict) -> CheckpointInfo:
-        world = field_int(body, "world", 1, MAX_WORLD)
-        raw_shards = body.get("shards")
-        if not isinstance(raw_shards, list) or len(raw_shards) != world:
-            raise ProtocolError("field 'shards' must list one shard per rank")
-        shards = []
-        for rank, raw in enumerate(raw_shards):
-            if not isinstance(raw, dict):
-                raise ProtocolError("shard entry is not an object")
-            shard = ShardHeader.from_body(raw)
-            if shard.rank != rank or shard.world != world:
-                raise ProtocolError("shard entries out of order")
-            shards.append(shard)
-        info = cls(
-            job=field_job(body), step=field_step(body), world=world,
-            rep_total=field_int(body, "rep_total"), layout=field_str(body, "layout", 64, _HEX_DIGEST),
-            committed_at=field_float(body, "committed_at", 0.0, 1e11), shards=tuple(shards),
-        )
-        problem = tiling_problem(info.shards, info.rep_total, info.layout)
-        if problem or any(s.job != info.job or s.step != info.step for s in shards):
-            raise ProtocolError(problem or "shards of another checkpoint")
-        return info
-
-
-def tiling_problem(shards: tuple[ShardHeader, ...] | list[ShardHeader], rep_total: int, layout: str) -> str | None:
-    """Why the shards (ordered by rank) do not form one whole checkpoint, or None."""
-    position = 0
-    for shard in shards:
-        if shard.layout != layout or shard.rep_total != rep_total:
-            return f"rank {shard.rank} describes its state differently from rank 0"
-        if shard.rep_start != position:
-            return f"rank {shard.rank}'s slice of the replicated state does not follow rank {shard.rank - 1}'s"
-        position = shard.rep_end
-    if position != rep_total:
-        return "the ranks' slices do not cover the replicated state"
-    return None
-
-
-MAX_ARGS = 1024
-MAX_ARG_LEN = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """How a job was launched: what ``dashrun resume`` runs again on a new node.
-
-    ``argv`` is the dashrun command line without the node-specific options
-    (``--memd``, ``--token-file``), and ``cwd`` the directory it ran in.
-    """
-
-    argv: tuple[str, ...]
-    cwd: str
-    host: str
-    created: float
-
-    def to_body(self) -> dict[str, Any]:
-        return {"argv": list(self.argv), "cwd": self.cwd, "host": self.host, "created": self.created}
-
-    @classmethod
-    def from_body(cls, body: dict) -> JobSpec:
-        argv = body.get("argv")
-        if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
-                or not all(isinstance(a, str) and len(a) <= MAX_ARG_LEN for a in argv)):
-            raise ProtocolError(f"field 'argv' must be a list of at most {MAX_ARGS} strings")
-        return cls(argv=tuple(argv), cwd=field_str(body, "cwd", 4096), host=field_str(body, "host", 255),
-                   created=field_float(body, "created", 0.0, 1e11))
-
-
-@dataclasses.dataclass(frozen=True)
-class NoticeInfo:
-    """An interruption notice as it travels: to the ranks of a node, and to dash-memd for the job's record.
-
-    ``early`` marks a warning (rebalance recommendation, maintenance) that shortens the
-    checkpoint interval; otherwise the node goes away at ``deadline`` (epoch seconds).
-    """
-
-    kind: str
-    cloud: str
-    early: bool
-    deadline: float | None
-    node: str = ""
-
-    #: ``severity``: an early warning, then a notice that the node goes away
-    EARLY, PREEMPT = 1, 2
-
-    @property
-    def severity(self) -> int:
-        return self.EARLY if self.early else self.PREEMPT
-
-    def outranks(self, known: NoticeInfo | None) -> bool:
-        """Whether this notice tells more than ``known`` (the most serious one received so far)."""
-        return known is None or self.severity > known.severity
-
-    def to_body(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_body(cls, body: dict) -> NoticeInfo:
-        deadline = body.get("deadline")
-        return cls(kind=field_str(body, "kind", 32), cloud=field_str(body, "cloud", 16),
-                   early=field_bool(body, "early"),
-                   deadline=None if deadline is None else field_float(body, "deadline", 0.0, 1e11),
-                   node=field_str(body, "node", 255, default=""))

@@ -68,7 +68,8 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, UnavailableError, UsageError
 from dashrun.memd.tiers import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
-from dashrun.protocol import CheckpointInfo, JobSpec, ShardHeader, crc32c, valid_job_id
+from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
+from dashrun.wire.protocol import crc32c, valid_job_id
 
 log = logging.getLogger(__name__)
 

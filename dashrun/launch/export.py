@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import torch
 
-from dashrun import image
-from dashrun.checkpointer import decode_private, decode_replicated
-from dashrun.client import MemdClient
 from dashrun.errors import NotFoundError, UsageError
-from dashrun.files import fsync_dir
-from dashrun.protocol import CheckpointInfo
+from dashrun.rank.checkpointer import decode_private, decode_replicated
+from dashrun.util.files import fsync_dir
+from dashrun.wire import image
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import CheckpointInfo
 
 FORMATS = ("torch", "dcp")
 

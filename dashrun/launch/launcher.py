@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
@@ -31,11 +30,12 @@ import uuid
 from pathlib import Path
 
 from dashrun import env
+from dashrun.env import DEFAULT_PORT, PreemptionRecord
 from dashrun.errors import AuthError, DashError, ExitCode, UnavailableError, UsageError
-from dashrun.embedded import PrivateMemd
-from dashrun.memd.config import DEFAULT_PORT
-from dashrun.protocol import PREEMPTED_FILE, JobSpec
-from dashrun.units import parse_address, read_token
+from dashrun.launch.private_memd import PrivateMemd
+from dashrun.util.tokens import read_token
+from dashrun.util.units import parse_address
+from dashrun.wire.messages import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def derive_job_id(script: str, script_args: list[str]) -> str:
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     from torch.distributed.run import parse_min_max_nnodes
 
-    from dashrun.protocol import valid_job_id
+    from dashrun.wire.protocol import valid_job_id
 
     job_id = args.job_id or derive_job_id(args.training_script, args.training_script_args)
     if not valid_job_id(job_id):
@@ -179,7 +179,7 @@ class AgentProcess:
         extra = (["--metadata-endpoint", options.metadata_endpoint] if options.metadata_endpoint else []) + (
             ["--poll-interval", str(options.poll_interval)] if options.poll_interval else [])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "--memd", f"{host}:{port}", "--token-file", str(options.token_file),
+            [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(options.token_file),
              "--socket", str(self.socket_path), "--parent-pid", str(os.getpid()), "--job-id", options.job_id,
              "--cloud", options.cloud, *extra],
             start_new_session=True)
@@ -249,7 +249,7 @@ def prepare_job(options: LaunchOptions, argv: list[str]) -> None:
     An unreachable dash-memd is waited for a little (it may be restarting); a
     token it refuses is a configuration error.
     """
-    from dashrun.client import MemdClient
+    from dashrun.wire.memd_client import MemdClient
 
     deadline = time.monotonic() + MEMD_WAIT
     token = read_token(options.token_file)
@@ -284,7 +284,7 @@ def launch(argv: list[str], overrides: dict | None = None) -> int:
     for name, value in (overrides or {}).items():
         setattr(args, name, value)
     if args.hostfile:
-        from dashrun import hosts
+        from dashrun.launch import fanout as hosts
 
         return hosts.run(hosts.config_from_args(argv, args, parser))
     options = options_from_args(args)
@@ -307,7 +307,7 @@ def launch(argv: list[str], overrides: dict | None = None) -> int:
         agent = stack.enter_context(AgentProcess(options))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
         os.environ[env.JOB_ID.name] = options.job_id
-        watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PREEMPTED_FILE))
+        watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PreemptionRecord.FILE))
         try:
             elastic_launch(config, cmd)(*cmd_args)
         except ChildFailedError as e:
@@ -347,16 +347,16 @@ class PreemptionWatcher:
         self._done.set()
         self._thread.join()
 
-    def record(self) -> dict | None:
+    def record(self) -> PreemptionRecord | None:
         try:
-            return json.loads(self.path.read_text())
+            return PreemptionRecord.from_json(self.path.read_text())
         except (FileNotFoundError, ValueError):
             return None
 
     def _watch(self) -> None:
         while not self._done.wait(PREEMPTION_POLL):
             record = self.record()
-            deadline = ((record or {}).get("notice") or {}).get("deadline")
+            deadline = record.deadline if record is not None else None
             if deadline is not None and time.time() >= deadline - STOP_MARGIN:
                 log.error("the ranks have not finished their emergency checkpoint and the notice's deadline is "
                           "%.0fs away: stopping them now", deadline - time.time())
@@ -367,11 +367,10 @@ class PreemptionWatcher:
 
 def _preempted(options: LaunchOptions, watcher: PreemptionWatcher) -> int:
     """Exit 75, saying why and where the job stands."""
-    from dashrun.client import MemdClient
+    from dashrun.wire.memd_client import MemdClient
 
-    record = watcher.record() or {}
-    notice = record.get("notice")
-    why = (f"{notice.get('cloud')} {notice.get('kind')} notice" if notice else
+    record = watcher.record()
+    why = (f"{record.cloud} {record.kind} notice" if record is not None and record.reason == record.NOTICE else
            "an interruption notice on another node of the job")
     try:
         with MemdClient(*options.memd, read_token(options.token_file), timeout=10) as client:

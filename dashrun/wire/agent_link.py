@@ -16,9 +16,9 @@ import threading
 from typing import Any, Callable, Sequence
 
 from dashrun import errors
-from dashrun.channel import Channel, Frame
 from dashrun.errors import UnavailableError
-from dashrun.protocol import Kind
+from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.protocol import Kind
 
 
 class AgentLink:

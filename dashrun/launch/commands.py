@@ -22,12 +22,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from dashrun import env
-from dashrun.client import MemdClient
-from dashrun.embedded import PrivateMemd
+from dashrun.env import DEFAULT_PORT
 from dashrun.errors import NotFoundError, UsageError
-from dashrun.memd.config import DEFAULT_PORT
-from dashrun.protocol import valid_job_id
-from dashrun.units import format_size, parse_address, read_token
+from dashrun.launch.private_memd import PrivateMemd
+from dashrun.util.tokens import read_token
+from dashrun.util.units import format_size, parse_address
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.protocol import valid_job_id
 
 console = Console()
 
@@ -141,7 +142,7 @@ def ls(job, memd, token_file, as_json) -> None:
 @memd_options
 def export(job, out, step, fmt, memd, token_file) -> None:
     """Write a committed checkpoint of JOB to OUT in a standard format."""
-    from dashrun import export as exporter
+    from dashrun.launch import export as exporter
 
     with connect(memd, token_file) as client, Progress(
             "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -184,7 +185,7 @@ def resume(job_id, memd, token_file) -> None:
     What a replacement Spot VM runs at boot: dash-memd keeps each job's command
     line and working directory.
     """
-    from dashrun.launcher import launch
+    from dashrun.launch.launcher import launch
 
     with connect(memd, token_file) as client:
         spec = client.get_spec(_job(job_id))

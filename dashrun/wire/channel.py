@@ -1,4 +1,4 @@
-"""Frames over a socket: the I/O half of :mod:`dashrun.protocol`.
+"""Frames over a socket: the I/O half of :mod:`dashrun.wire.protocol`.
 
 A :class:`Channel` sends and receives whole frames on a TCP or Unix stream
 socket. Receiving is two-phase: :meth:`Channel.recv` returns the header and
@@ -19,25 +19,31 @@ from __future__ import annotations
 import array
 import ctypes
 import dataclasses
-import hmac
 import ipaddress
 import os
-import secrets
 import socket
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 from dashrun import errors
-from dashrun.errors import AuthError, ProtocolError, UnavailableError
-from dashrun.faults import crash_point
-from dashrun.files import populated
-from dashrun.protocol import (
-    HEADER, MAX_BODY, MAX_BODY_PREAUTH, MAX_FDS, TRAILER, Kind, crc32c, decode_body,
-    decode_header, encode_body, encode_header, field_digest, field_nonce,
+from dashrun.errors import ProtocolError, UnavailableError
+from dashrun.util.faults import crash_point
+from dashrun.util.files import populated
+from dashrun.wire.protocol import (
+    HEADER,
+    MAX_BODY,
+    MAX_FDS,
+    TRAILER,
+    Kind,
+    crc32c,
+    decode_body,
+    decode_header,
+    encode_body,
+    encode_header,
 )
 
 try:
-    from dashrun import _ntcopy
+    from dashrun.util import _ntcopy
 except ImportError:  # not built (no C compiler at install): data is received straight into its destination
     _ntcopy = None
 if _ntcopy is not None and not _ntcopy.STREAMING:  # built, but the CPU lacks what it needs
@@ -317,46 +323,3 @@ class Channel:
         code = err.code.value if isinstance(err, errors.DashError) else errors.ErrorCode.INTERNAL.value
         message = err.message if isinstance(err, errors.DashError) else f"internal error: {type(err).__name__}"
         self.send(Kind.ERROR, {**extra, "code": code, "message": message[:1000]})
-
-
-# --- authentication ------------------------------------------------------------
-#
-# Challenge-response with HMAC-SHA256 over both sides' nonces: the token never
-# crosses the wire, a recorded exchange cannot be replayed (fresh nonces), and
-# the client learns that the server holds the token too.
-
-
-def _mac(token: bytes, label: bytes, first: str, second: str) -> str:
-    return hmac.new(token, label + bytes.fromhex(first) + bytes.fromhex(second), "sha256").hexdigest()
-
-
-def server_handshake(ch: Channel, token: bytes, server_name: str) -> None:
-    """Run the server side; raises AuthError (after telling the client) if it lacks the token."""
-    server_nonce = secrets.token_hex(32)
-    ch.send(Kind.HELLO, {"server": server_name, "nonce": server_nonce})
-    frame = ch.recv(max_body=MAX_BODY_PREAUTH)
-    if frame.kind != Kind.AUTH:
-        raise ProtocolError("expected AUTH")
-    client_nonce = field_nonce(frame.body, "nonce")
-    mac = field_digest(frame.body, "mac")
-    if not hmac.compare_digest(mac, _mac(token, b"dash-client", server_nonce, client_nonce)):
-        err = AuthError("authentication failed: the client does not hold this cluster's token")
-        ch.send_error(err)
-        raise err
-    ch.send(Kind.WELCOME, {"mac": _mac(token, b"dash-server", client_nonce, server_nonce)})
-
-
-def client_handshake(ch: Channel, token: bytes) -> dict[str, Any]:
-    hello = ch.recv(max_body=MAX_BODY_PREAUTH)
-    if hello.kind == Kind.ERROR:
-        raise errors.from_code(str(hello.body.get("code", "")), str(hello.body.get("message", "")))
-    if hello.kind != Kind.HELLO:
-        raise ProtocolError("expected HELLO from the server")
-    server_nonce = field_nonce(hello.body, "nonce")
-    client_nonce = secrets.token_hex(32)
-    ch.send(Kind.AUTH, {"nonce": client_nonce, "mac": _mac(token, b"dash-client", server_nonce, client_nonce)})
-    reply = ch.expect_reply()
-    if reply.kind != Kind.WELCOME or not hmac.compare_digest(
-            field_digest(reply.body, "mac"), _mac(token, b"dash-server", client_nonce, server_nonce)):
-        raise AuthError("the server does not hold this cluster's token", hint="check --token-file on both sides")
-    return hello.body

@@ -1,0 +1,262 @@
+"""The structured messages of the wire format: what a shard, a checkpoint, a launch and a notice look like.
+
+Each is a frozen dataclass with ``to_body()`` (a JSON object for a frame's
+body) and ``from_body()``, which checks every field a peer sent, bounded,
+before anything is built from it. Pure, like :mod:`dashrun.wire.protocol`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, ClassVar, Mapping
+
+from dashrun.errors import ProtocolError
+from dashrun.wire.protocol import (
+    HEX_DIGEST,
+    MAX_BODY,
+    MAX_BYTES,
+    MAX_WORLD,
+    field_bool,
+    field_float,
+    field_int,
+    field_job,
+    field_step,
+    field_str,
+)
+
+__all__ = ["CLOUDS", "CheckpointInfo", "JobSpec", "Notice", "NoticeKind", "ShardHeader", "tiling_problem"]
+
+@dataclasses.dataclass(frozen=True)
+class ShardHeader:
+    """What a rank's shard of one checkpoint holds, as announced in PUT_SHARD.
+
+    A shard's bytes are ``[replicated slice][private][meta]``: the rank's slice
+    ``[rep_start, rep_end)`` of the state every rank holds alike (so replicated
+    state crosses the wire once, split between ranks), the rank's own private
+    tensors (RNG, data cursor), and its layout description (JSON) — opaque to
+    dash-memd, which checks only that the slices of all ranks tile
+    ``[0, rep_total)`` and that every rank announced the same ``layout`` digest.
+    """
+
+    job: str
+    step: int
+    rank: int
+    world: int
+    rep_total: int
+    rep_start: int
+    rep_end: int
+    private_len: int
+    meta_len: int
+    layout: str
+    crc: int = 0  # CRC-32C of the shard's bytes; 0 until they are verified
+
+    @property
+    def nbytes(self) -> int:
+        return self.rep_end - self.rep_start + self.private_len + self.meta_len
+
+    def to_body(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_body(cls, body: dict) -> ShardHeader:
+        world = field_int(body, "world", 1, MAX_WORLD)
+        rep_total = field_int(body, "rep_total")
+        rep_start = field_int(body, "rep_start", 0, rep_total)
+        header = cls(
+            job=field_job(body),
+            step=field_step(body),
+            rank=field_int(body, "rank", 0, world - 1),
+            world=world,
+            rep_total=rep_total,
+            rep_start=rep_start,
+            rep_end=field_int(body, "rep_end", rep_start, rep_total),
+            private_len=field_int(body, "private_len"),
+            meta_len=field_int(body, "meta_len", 0, MAX_BODY * 16),
+            layout=field_str(body, "layout", 64, HEX_DIGEST),
+            crc=field_int(body, "crc", 0, 0xFFFFFFFF, default=0),
+        )
+        if header.nbytes > MAX_BYTES:
+            raise ProtocolError("shard too large")
+        return header
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as dash-memd describes it (also its manifest on disk)."""
+
+    job: str
+    step: int
+    world: int
+    rep_total: int
+    layout: str
+    committed_at: float
+    shards: tuple[ShardHeader, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "job": self.job, "step": self.step, "world": self.world, "rep_total": self.rep_total,
+            "layout": self.layout, "committed_at": self.committed_at,
+            "shards": [s.to_body() for s in self.shards],
+        }
+
+    @classmethod
+    def from_body(cls, body: dict) -> CheckpointInfo:
+        world = field_int(body, "world", 1, MAX_WORLD)
+        raw_shards = body.get("shards")
+        if not isinstance(raw_shards, list) or len(raw_shards) != world:
+            raise ProtocolError("field 'shards' must list one shard per rank")
+        shards = []
+        for rank, raw in enumerate(raw_shards):
+            if not isinstance(raw, dict):
+                raise ProtocolError("shard entry is not an object")
+            shard = ShardHeader.from_body(raw)
+            if shard.rank != rank or shard.world != world:
+                raise ProtocolError("shard entries out of order")
+            shards.append(shard)
+        info = cls(
+            job=field_job(body), step=field_step(body), world=world,
+            rep_total=field_int(body, "rep_total"), layout=field_str(body, "layout", 64, HEX_DIGEST),
+            committed_at=field_float(body, "committed_at", 0.0, 1e11), shards=tuple(shards),
+        )
+        problem = tiling_problem(info.shards, info.rep_total, info.layout)
+        if problem or any(s.job != info.job or s.step != info.step for s in shards):
+            raise ProtocolError(problem or "shards of another checkpoint")
+        return info
+
+
+def tiling_problem(shards: tuple[ShardHeader, ...] | list[ShardHeader], rep_total: int, layout: str) -> str | None:
+    """Why the shards (ordered by rank) do not form one whole checkpoint, or None."""
+    position = 0
+    for shard in shards:
+        if shard.layout != layout or shard.rep_total != rep_total:
+            return f"rank {shard.rank} describes its state differently from rank 0"
+        if shard.rep_start != position:
+            return f"rank {shard.rank}'s slice of the replicated state does not follow rank {shard.rank - 1}'s"
+        position = shard.rep_end
+    if position != rep_total:
+        return "the ranks' slices do not cover the replicated state"
+    return None
+
+
+MAX_ARGS = 1024
+MAX_ARG_LEN = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """How a job was launched: what ``dashrun resume`` runs again on a new node.
+
+    ``argv`` is the dashrun command line without the node-specific options
+    (``--memd``, ``--token-file``), and ``cwd`` the directory it ran in.
+    """
+
+    argv: tuple[str, ...]
+    cwd: str
+    host: str
+    created: float
+
+    def to_body(self) -> dict[str, Any]:
+        return {"argv": list(self.argv), "cwd": self.cwd, "host": self.host, "created": self.created}
+
+    @classmethod
+    def from_body(cls, body: dict) -> JobSpec:
+        argv = body.get("argv")
+        if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
+                or not all(isinstance(a, str) and len(a) <= MAX_ARG_LEN for a in argv)):
+            raise ProtocolError(f"field 'argv' must be a list of at most {MAX_ARGS} strings")
+        return cls(argv=tuple(argv), cwd=field_str(body, "cwd", 4096), host=field_str(body, "host", 255),
+                   created=field_float(body, "created", 0.0, 1e11))
+
+
+CLOUDS = ("aws", "gcp", "azure")
+
+
+class NoticeKind(str, enum.Enum):
+    TERMINATE = "terminate"  # the VM is deleted (AWS terminate, Azure Terminate)
+    STOP = "stop"  # AWS: stopped; memory and instance store are lost
+    HIBERNATE = "hibernate"  # AWS: hibernated, with no lead time
+    PREEMPT = "preempt"  # GCP preempted, Azure Preempt
+    MAINTENANCE = "maintenance"  # GCP TERMINATE_ON_HOST_MAINTENANCE; Azure Reboot/Redeploy/Freeze
+    REBALANCE = "rebalance"  # AWS: elevated risk of interruption; no deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """One interruption notice (or early warning), from the cloud's metadata service to the ranks.
+
+    The one notice type: dash-agent's pollers make it from what the metadata
+    service served, the agent stamps its ``node`` on it and pushes it to the
+    node's ranks and to dash-memd (the job's record), where ``dashrun status``
+    shows it.
+
+    ``deadline`` is epoch seconds: AWS's ``time``, Azure's ``NotBefore`` (the
+    moment an event already started was seen, when blank), GCP's preemption
+    first seen + 30 s, a GCP maintenance event first seen + 1 h; None when the
+    cloud gives none (rebalance). ``early_warning`` marks notices with a long
+    or no lead: checkpoint more often, there is time. ``id`` identifies the
+    notice: the same notice served again has the same id. ``id``, ``detail``
+    and ``seen_at`` stay on the node; the wire carries kind, cloud,
+    ``early``, deadline and node.
+    """
+
+    cloud: str
+    kind: NoticeKind
+    deadline: float | None
+    early_warning: bool = False
+    id: str = ""
+    node: str = ""
+    detail: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    seen_at: float = dataclasses.field(default_factory=time.time, compare=False)
+
+    #: ``severity``: an early warning, then a notice that the node goes away
+    EARLY: ClassVar[int] = 1
+    PREEMPT: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        if self.cloud not in CLOUDS:
+            raise ValueError(f"cloud must be one of {', '.join(CLOUDS)}, not {self.cloud!r}")
+        object.__setattr__(self, "kind", NoticeKind(self.kind))
+        if self.deadline is not None:
+            object.__setattr__(self, "deadline", float(self.deadline))
+        object.__setattr__(self, "detail", dict(self.detail))
+
+    @property
+    def severity(self) -> int:
+        return self.EARLY if self.early_warning else self.PREEMPT
+
+    def outranks(self, known: Notice | None) -> bool:
+        """Whether this notice tells more than ``known`` (the most serious one received so far)."""
+        return known is None or self.severity > known.severity
+
+    def seconds_left(self, now: float | None = None) -> float | None:
+        """Seconds until the deadline (negative once past); None without a deadline."""
+        if self.deadline is None:
+            return None
+        return self.deadline - (time.time() if now is None else now)
+
+    def describe(self) -> str:
+        left = self.seconds_left()
+        when = "no deadline" if left is None else f"in {left:.0f} s"
+        early = " (early warning)" if self.early_warning else ""
+        return f"{self.cloud} {self.kind.value} notice{early}, {when}"
+
+    def to_body(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "cloud": self.cloud, "early": self.early_warning, "deadline": self.deadline,
+                "node": self.node}
+
+    @classmethod
+    def from_body(cls, body: dict) -> Notice:
+        deadline = body.get("deadline")
+        try:
+            return cls(kind=field_str(body, "kind", 32), cloud=field_str(body, "cloud", 16),
+                       early_warning=field_bool(body, "early"),
+                       deadline=None if deadline is None else field_float(body, "deadline", 0.0, 1e11),
+                       node=field_str(body, "node", 255, default=""))
+        except ValueError as e:
+            raise ProtocolError(f"malformed notice: {e}") from None

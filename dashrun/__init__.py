@@ -22,9 +22,9 @@ first use, so dash-agent and dash-memd run on machines without torch.
 from __future__ import annotations
 
 __all__ = ["Checkpointer", "ExitCode", "__version__"]
-__version__ = "0.1.0"
 
 from dashrun.errors import ExitCode
+from dashrun.version import __version__
 
 
 def __getattr__(name: str):

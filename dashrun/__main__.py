@@ -1,3 +1,5 @@
+"""``python -m dashrun``: the ``dashrun`` command."""
+
 from dashrun.launch.cli import main
 
 main()

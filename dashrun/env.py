@@ -59,14 +59,16 @@ PARENT_PID = Var("DASH_PARENT_PID", "the launcher's pid: dash-agent exits (after
                  "dash-agent")
 UPLOAD_QUEUE = Var("DASH_UPLOAD_QUEUE", "uploads waiting at most; a full queue drops its oldest", "user", "dash-memd")
 MAX_CONNECTIONS = Var("DASH_MAX_CONNECTIONS", "clients dash-memd serves at once", "user", "dash-memd")
-AUTH_TIMEOUT = Var("DASH_AUTH_TIMEOUT", "seconds a new connection to dash-memd has to authenticate", "user", "dash-memd")
+AUTH_TIMEOUT = Var("DASH_AUTH_TIMEOUT", "seconds a new connection to dash-memd has to authenticate", "user",
+                   "dash-memd")
 IDLE_TIMEOUT = Var("DASH_IDLE_TIMEOUT", "seconds an authenticated connection to dash-memd may stay silent", "user",
                    "dash-memd")
 SHUTDOWN_TIMEOUT = Var("DASH_SHUTDOWN_TIMEOUT", "seconds dash-memd gets to finish disk writes on SIGTERM", "user",
                        "dash-memd")
 READY_FILE = Var("DASH_READY_FILE", "file dash-memd writes HOST:PORT to once it listens", "dashrun, tests", "dash-memd")
 TOKEN_OUT = Var("DASH_TOKEN_OUT", "where 'dash-memd token' writes a new token", "user", "dash-memd token")
-CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests", "all")
+CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
+               "all")
 
 ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,

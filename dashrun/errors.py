@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import enum
 
+__all__ = ["AuthError", "BusyError", "ChecksumError", "ConflictError", "DashError", "ErrorCode", "ExitCode",
+           "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RemoteError", "UnavailableError",
+           "UsageError"]
+
 
 class ExitCode(enum.IntEnum):
     """Exit codes of the ``dashrun``, ``dash-agent`` and ``dash-memd`` commands."""

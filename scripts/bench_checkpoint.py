@@ -76,6 +76,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from dashrun.util import daemon  # noqa: E402
+
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 CHUNK = 8 << 20
@@ -166,34 +168,20 @@ class Processes:
         self.procs.append((name, proc))
         return proc
 
+    def start_daemon(self, name: str, cmd: list[str], *, ready, log: Path, **kwargs) -> subprocess.Popen:
+        """A process that must be serving before the benchmark goes on: started and waited for by dashrun's helper."""
+        proc = daemon.start(cmd, ready=ready, what=name, log=log, timeout=60, **kwargs)
+        self.procs.append((name, proc))
+        return proc
+
     def stop(self, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        daemon.stop(proc, timeout=timeout)
 
     def stop_all(self) -> None:
         for _name, proc in reversed(self.procs):
             with contextlib.suppress(Exception):
                 self.stop(proc)
         self.procs.clear()
-
-
-def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
-            raise RuntimeError(f"{what}: process exited with code {proc.returncode}\n{tail}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def child_env() -> dict:
@@ -340,12 +328,11 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     endpoint = f"http://127.0.0.1:{port}"
-    proc = procs.start("s3-server", pinned([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                           core), log=scratch / "moto.log")
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED")}
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    proc = None
     try:
         client = boto3.client("s3")
 
@@ -355,7 +342,9 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
                 return True
             except Exception:
                 return False
-        wait_until(answers, 60, "the S3 server to answer", proc, scratch / "moto.log")
+        proc = procs.start_daemon("the S3 server", pinned([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                                           "-p", str(port)], core), ready=answers,
+                                  log=scratch / "moto.log")
         client.create_bucket(Bucket="bench")
         tier = ObjectTier("s3://bench/ckpt")
         src = torch.empty(nbytes, dtype=torch.uint8).fill_(5)
@@ -383,7 +372,8 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        procs.stop(proc, timeout=10)
+        if proc is not None:
+            procs.stop(proc, timeout=10)
 
 
 # --- the model ------------------------------------------------------------------------------
@@ -584,27 +574,18 @@ class Dashrun(Variant):
         token = write_token(token_file)
         ready = self.dir / "memd.ready"
         self.memd_log = self.dir / "memd.log"
-        self.memd = self.procs.start("dash-memd", pinned(
+        self.memd = self.procs.start_daemon("dash-memd", pinned(
             [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
              str(self.dir / "memd-data"), "--memory-limit", "4GiB", "--token-file", str(token_file),
-             "--ready-file", str(ready)], self.core), log=self.memd_log, cwd=REPO, env=child_env())
-        wait_until(ready.exists, 60, "dash-memd to listen", self.memd, self.memd_log)
+             "--ready-file", str(ready)], self.core), ready=daemon.file_written(ready), log=self.memd_log, cwd=REPO,
+            env=child_env())
         host, port = ready.read_text().strip().rsplit(":", 1)
         sock_path = self.dir / "agent.sock"
         self.agent_log = self.dir / "agent.log"
-        self.agent = self.procs.start("dash-agent", pinned(
+        self.agent = self.procs.start_daemon("dash-agent", pinned(
             [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
-             "--socket", str(sock_path)], self.agent_core), log=self.agent_log, cwd=REPO, env=child_env())
-
-        def accepting() -> bool:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                try:
-                    probe.connect(str(sock_path))
-                    return True
-                except OSError:
-                    return False
-
-        wait_until(accepting, 60, "dash-agent to listen", self.agent, self.agent_log)
+             "--socket", str(sock_path)], self.agent_core), ready=daemon.accepting(sock_path), log=self.agent_log,
+            cwd=REPO, env=child_env())
         os.environ[env.AGENT_SOCKET.name] = str(sock_path)
         os.environ[env.JOB_ID.name] = self.job
         self._clients = [MemdClient(host, int(port), token, timeout=120) for _ in range(3)]

@@ -47,6 +47,7 @@ from torch import nn  # noqa: E402
 
 import dashrun  # noqa: E402
 from dashrun.rank.staging import bytes_of  # noqa: E402
+from dashrun.util import daemon  # noqa: E402
 from dashrun.util.tokens import write_token  # noqa: E402
 from dashrun.wire.memd_client import MemdClient  # noqa: E402
 
@@ -154,37 +155,24 @@ class Daemons:
     def _start_both(self, scratch: Path, token: Path, ready: Path, memory_limit: int) -> None:
         self._start([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
                      "--data-dir", str(scratch / "data"), "--memory-limit", str(memory_limit),
-                     "--token-file", str(token), "--ready-file", str(ready)], "memd.log")
-        self._until(ready.exists, "dash-memd")
+                     "--token-file", str(token), "--ready-file", str(ready)], "dash-memd", daemon.file_written(ready))
         self.host, port = ready.read_text().strip().rsplit(":", 1)
         self.port, self.token = int(port), token.read_bytes().strip()
         self.socket = scratch / "agent.sock"
-        self._start([sys.executable, "-m", "dashrun.agent", "--memd", f"{self.host}:{self.port}", "--token-file", str(token),
-                     "--socket", str(self.socket)], "agent.log", env={**os.environ, "DASH_CLOUD": "none"})
-        self._until(self.socket.exists, "dash-agent")
+        self._start([sys.executable, "-m", "dashrun.agent", "--memd", f"{self.host}:{self.port}",
+                     "--token-file", str(token), "--socket", str(self.socket)], "dash-agent",
+                    daemon.accepting(self.socket), env={**os.environ, "DASH_CLOUD": "none"})
 
-    def _start(self, cmd, log, env=None) -> None:
-        self.procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
-                                           stderr=open(self.scratch / log, "wb"), env=env))
-
-    def _until(self, predicate, what: str) -> None:
-        deadline = time.monotonic() + 60
-        while not predicate():
-            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not start: see the logs in {self.scratch}")
-            time.sleep(0.05)
+    def _start(self, cmd, what: str, ready, env=None) -> None:
+        self.procs.append(daemon.start(cmd, ready=ready, what=what, log=self.scratch / f"{what}.log", timeout=60,
+                                       cwd=REPO, env=env))
 
     def client(self) -> MemdClient:
         return MemdClient(self.host, self.port, self.token, timeout=120)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            daemon.stop(proc, timeout=60)
 
 
 def measure(args, device: torch.device, model, opt, step, scratch: Path, daemons: Daemons):

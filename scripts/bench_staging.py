@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The rank's staging copy: streaming stores with the checksum (dashrun.util._ntcopy) against torch's copy_, side by side.
+"""The rank's staging copy: streaming stores with the checksum (dashrun.util._ntcopy) against torch's copy_.
 
 The rank copies the model and optimizer state into its shared-memory buffer
 on the training core while training goes on. This benchmark copies the same
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from dashrun.rank import staging  # noqa: E402
-from dashrun.rank.checkpointer import PIECE  # noqa: E402
+from dashrun.rank.stager import PIECE  # noqa: E402
 
 
 def state(size_mib: int, layers: int = 4) -> list[torch.Tensor]:

@@ -43,6 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dashrun.util import daemon  # noqa: E402
 from dashrun.util.files import populated  # noqa: E402
 from dashrun.util.tokens import write_token  # noqa: E402
 from dashrun.wire import channel  # noqa: E402
@@ -77,27 +78,21 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float,
     """
     scratch = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     token = write_token(scratch / "token")
-    memds: dict[bool, tuple[subprocess.Popen, Path]] = {}
+    memds: dict[bool, subprocess.Popen] = {}
     times: dict[str, list[float]] = {name: [] for name in variants}
     try:
+        clients = {}
         for landing in sorted({landing for _, landing in variants.values()}):
             where = scratch / ("landing" if landing else "straight-in")
             where.mkdir()
             command = ["-m", "dashrun.memd"] if landing else ["-c", _MEMD_STRAIGHT_IN]
-            memds[landing] = subprocess.Popen(
+            memds[landing] = daemon.start(
                 [sys.executable, *command, "start", "--listen", "127.0.0.1:0", "--data-dir", str(where / "data"),
                  "--memory-limit", f"{4 * len(view) + (1 << 30)}", "--token-file", str(scratch / "token"),
                  "--ready-file", str(where / "ready")],
-                cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(where / "memd.log", "wb"),
-                preexec_fn=lambda: os.sched_setaffinity(0, {core})), where / "ready"
-        clients = {}
-        for landing, (memd, ready) in memds.items():
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                if memd.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"dash-memd did not start: see {ready.parent / 'memd.log'}")
-                time.sleep(0.05)
-            host, port = ready.read_text().strip().rsplit(":", 1)
+                ready=daemon.file_written(where / "ready"), what="dash-memd", log=where / "memd.log", timeout=60,
+                cwd=REPO, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+            host, port = (where / "ready").read_text().strip().rsplit(":", 1)
             clients[landing] = MemdClient(host, int(port), token)
         os.sched_setaffinity(0, {core})  # the sender (dash-agent's part) shares dash-memd's core
         known = crc32c(view)  # the rank's, computed as it staged: the sender only sends; dash-memd still verifies
@@ -123,10 +118,8 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float,
     finally:
         channel.YIELD_TO_LOCAL_PEER = True
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-        for memd, _ in memds.values():
-            memd.terminate()
-        for memd, _ in memds.values():
-            memd.wait(timeout=60)
+        for memd in memds.values():
+            daemon.stop(memd, timeout=60)
     shutil.rmtree(scratch, ignore_errors=True)  # its checkpoints would fill the disk; after a failure the log stays
     return times
 

@@ -39,6 +39,9 @@ console = Console()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_metadata import FakeMetadata  # noqa: E402  (a script beside this one)
 
+from dashrun.errors import UnavailableError  # noqa: E402
+from dashrun.util import daemon  # noqa: E402
+
 
 def read_losses(path: Path) -> dict[int, list[str]]:
     losses: dict[int, list[str]] = {}
@@ -76,19 +79,17 @@ def main() -> int:
                        stdout=subprocess.DEVNULL)
 
     console.rule("[bold]1. a private dash-memd on loopback, and a fake AWS metadata service")
-    memd_log = open(work / "memd.log", "wb")
-    memd = subprocess.Popen([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
+    try:
+        memd = daemon.start([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
                              "--data-dir", str(work / "memd-data"), "--memory-limit", "1GiB",
                              "--token-file", str(token), "--ready-file", str(ready)],
-                            stdout=memd_log, stderr=subprocess.STDOUT)
+                            ready=daemon.file_written(ready), what="dash-memd", log=work / "memd.log", timeout=30)
+    except UnavailableError as e:
+        console.print((work / "memd.log").read_text())
+        console.print(f"[red]{e}")
+        return 1
     fake = FakeMetadata("aws", imdsv2="required").start()
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if memd.poll() is not None or time.monotonic() > deadline:
-                console.print((work / "memd.log").read_text())
-                return 1
-            time.sleep(0.05)
         address = ready.read_text().strip()
         console.print(f"dash-memd listening on {address} (log: {work / 'memd.log'}); AWS metadata at {fake.url}")
 
@@ -166,9 +167,7 @@ def main() -> int:
         return 0 if identical else 1
     finally:
         fake.stop()
-        memd.send_signal(signal.SIGTERM)
-        memd.wait(timeout=60)
-        memd_log.close()
+        daemon.stop(memd, timeout=60)
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dashrun.errors import UnavailableError
+from dashrun.util import daemon
 from dashrun.util.tokens import write_token
 from dashrun.wire.memd_client import MemdClient
 
@@ -41,14 +43,10 @@ def load_fake_metadata():
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.02):
     """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    try:
+        return daemon.wait_until(predicate, timeout, what, interval=interval)
+    except TimeoutError as e:
+        raise AssertionError(str(e)) from None
 
 
 def kill_tree(proc: subprocess.Popen | psutil.Process, sig: int = signal.SIGKILL) -> None:
@@ -104,13 +102,13 @@ class Memd:
     def start(self, port: int | None = None) -> Memd:
         ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
         listen = f"127.0.0.1:{self.port if port is None else port}"
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
-             "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra],
-            stdout=self._log, stderr=subprocess.STDOUT)
-        wait_for(lambda: ready.exists() or self.proc.poll() is not None, 30, "dash-memd to listen")
-        assert self.proc.poll() is None, f"dash-memd exited: {self.log_path.read_text()[-2000:]}"
+        try:
+            self.proc = daemon.start(
+                [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
+                 "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra],
+                ready=daemon.file_written(ready), what="dash-memd", log=self.log_path, timeout=30)
+        except UnavailableError as e:
+            raise AssertionError(f"{e}: {self.log()[-2000:]}") from None
         self.host, port = ready.read_text().strip().rsplit(":", 1)
         self.port = int(port)
         ready.unlink()
@@ -120,21 +118,10 @@ class Memd:
         return MemdClient(self.host, self.port, self.token, **kwargs)
 
     def stop(self) -> int | None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc is not None:
-            self._log.close()
-        return self.proc.returncode if self.proc else None
+        return daemon.stop(self.proc, timeout=30) if self.proc is not None else None
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._log.close()
+        daemon.stop(self.proc, timeout=0)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -170,23 +157,17 @@ class Agent:
 
     def __init__(self, memd: Memd, socket_path: Path, log_path: Path, env: dict | None = None):
         self.memd, self.socket_path, self.log_path = memd, socket_path, log_path
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dashrun.agent", "--memd", memd.address, "--token-file", str(memd.token_file),
-             "--socket", str(socket_path), "--memd-timeout", "10", "--drain-timeout", "10"],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        wait_for(lambda: socket_path.exists() or self.proc.poll() is not None, 30, "dash-agent to listen")
-        assert self.proc.poll() is None, log_path.read_text()
+        try:
+            self.proc = daemon.start(
+                [sys.executable, "-m", "dashrun.agent", "--memd", memd.address, "--token-file", str(memd.token_file),
+                 "--socket", str(socket_path), "--memd-timeout", "10", "--drain-timeout", "10"],
+                ready=daemon.accepting(socket_path), what="dash-agent", log=log_path, timeout=30,
+                env={**os.environ, **(env or {})})
+        except UnavailableError as e:
+            raise AssertionError(f"{e}: {self.log()[-2000:]}") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        daemon.stop(self.proc, timeout=30)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

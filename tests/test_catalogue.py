@@ -162,3 +162,19 @@ def test_once_a_checkpoint_is_on_disk_the_buffers_of_the_next_one_are_ready(tmp_
     assert all(any(ticket.buffer is buf for buf in ready) for ticket in tickets)
     for ticket in tickets:
         cat.abort_shard(ticket)
+
+
+def test_a_state_changes_only_forward_through_the_checked_transition():
+    from dashrun.memd.entry import Entry, State
+
+    entry = Entry("job", 1, 1, 64, "ab" * 32)
+    with pytest.raises(AttributeError, match="only through advance"):
+        entry.state = State.ON_DISK
+    with pytest.raises(AssertionError, match="receiving -> on_disk is not allowed"):
+        entry.advance(State.ON_DISK)
+    entry.advance(State.COMMITTED)
+    entry.advance(State.ON_DISK)
+    with pytest.raises(AssertionError, match="on_disk -> committed"):
+        entry.advance(State.COMMITTED)
+    assert entry.state == State.ON_DISK
+    assert Entry("job", 2, 1, 64, "ab" * 32, state=State.IN_OBJECT_STORE).state == State.IN_OBJECT_STORE

@@ -15,7 +15,7 @@ import torch
 from conftest import load_fake_metadata, wait_for
 
 from dashrun.errors import UnavailableError
-from dashrun.rank import checkpointer as checkpointer_module
+from dashrun.rank import restore as restore_module
 from dashrun.rank import staging
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.messages import ShardHeader
@@ -277,7 +277,7 @@ def test_a_dead_agent_never_blocks_training(rank_env, caplog):
 
 
 def test_restore_without_an_agent_fails_loudly(rank_env, monkeypatch):
-    monkeypatch.setattr(checkpointer_module, "RESTORE_TIMEOUT", 1.0)
+    monkeypatch.setattr(restore_module, "RESTORE_TIMEOUT", 1.0)
     model, opt, _ = trained_objects()
     ckpt = rank_env(None, "orphan", 0, 1, model=model, optimizer=opt)
     with pytest.raises(UnavailableError, match="cannot restore"):
@@ -288,7 +288,7 @@ def test_restore_without_an_agent_fails_loudly(rank_env, monkeypatch):
 def test_a_rank_that_starts_after_the_notice_takes_the_emergency_checkpoint_at_once(memd, agent_factory,
                                                                                    rank_env, monkeypatch):
     """The agent pushes a notice it already has the moment a rank connects, before any reply."""
-    monkeypatch.setattr(checkpointer_module, "RESTORE_TIMEOUT", 10.0)  # a lost reply fails here, not in 2 min
+    monkeypatch.setattr(restore_module, "RESTORE_TIMEOUT", 10.0)  # a lost reply fails here, not in 2 min
     fake = load_fake_metadata().FakeMetadata("gcp").start()
     try:
         fake.notice()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO, TRAIN, dashrun_cmd
 
-from dashrun.launch.launcher import build_parser
+from dashrun.launch.options import build_parser
 
 ENVDUMP = REPO / "tests" / "bin" / "envdump.py"
 
@@ -49,7 +49,7 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
     assert own == ["cloud", "fresh", "hostfile", "job_id", "memd", "metadata_endpoint", "poll_interval",
-                   "remote_python", "ssh_config", "token_file"]
+                   "remote_python", "ssh_config", "token_file", "version"]
 
 
 def test_pet_environment_twins_work_as_in_torchrun(monkeypatch):

@@ -77,7 +77,8 @@ def test_the_copy_runs_on_a_side_stream_into_pinned_memory_after_the_optimizer_s
     wait_for(snapshot.copied.is_set, 30, "the copy to be enqueued")
     assert not snapshot.gpu_done.query(), "save() waited for the GPU: the copy is not asynchronous"
     assert snapshot.buffer._pinned and snapshot.buffer.tensor.is_pinned()
-    assert ckpt._side_stream is not None and ckpt._side_stream != torch.cuda.current_stream()
+    side_stream = ckpt._stager.side_stream
+    assert side_stream is not None and side_stream != torch.cuda.current_stream()
 
     # The next step is enqueued at once; its optimizer step must wait (on the GPU) for the copy to finish.
     torch.randn(4, device="cuda")  # the CUDA RNG moves on after the save

@@ -8,6 +8,10 @@ import sys
 
 import pytest
 
+from dashrun import __version__, env
+from dashrun.memd.config import cgroup_memory_limit, default_memory_limit
+
+GiB = 1 << 30
 
 def memd_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "dashrun.memd", *args]
@@ -35,6 +39,54 @@ def test_token_command_writes_a_private_token_and_never_overwrites(tmp_path):
     assert oct(path.stat().st_mode & 0o777) == "0o600" and len(path.read_text().strip()) == 64
     again = subprocess.run(memd_cmd("token", "--out", str(path)), capture_output=True, text=True)
     assert again.returncode != 0
+
+
+def test_memd_version_and_every_option_has_an_env_twin():
+    version = subprocess.run(memd_cmd("--version"), capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"dash-memd {__version__}"
+    shown = subprocess.run(memd_cmd("start", "--help"), capture_output=True, text=True, timeout=60).stdout
+    shown += subprocess.run(memd_cmd("token", "--help"), capture_output=True, text=True, timeout=60).stdout
+    shown = " ".join(shown.split())  # help text wraps anywhere
+    missing = [v.name for v in env.ALL if "dash-memd" in v.read_by and v.name not in shown]
+    assert missing == []
+
+
+def fake_root(tmp_path, cgroup: str, files: dict[str, str]):
+    """A directory laid out like / for the cgroup files: /proc/self/cgroup and what is under /sys/fs/cgroup."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    for path, text in files.items():
+        (tmp_path / "sys/fs/cgroup" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "sys/fs/cgroup" / path).write_text(text)
+    return tmp_path
+
+
+def test_default_memory_limit_honours_a_cgroup_v2_limit(tmp_path):
+    root = fake_root(tmp_path, "0::/kubepods/pod-1\n", {"kubepods/pod-1/memory.max": f"{4 * GiB}\n",
+                                                          "kubepods/memory.max": "max\n"})
+    assert cgroup_memory_limit(root) == 4 * GiB
+    assert default_memory_limit(root, host_total=64 * GiB) == 2 * GiB
+    assert default_memory_limit(root, host_total=2 * GiB) == 1 * GiB  # the machine is the smaller
+
+
+def test_default_memory_limit_with_cgroup_v2_max_is_half_the_machine(tmp_path):
+    root = fake_root(tmp_path, "0::/\n", {"memory.max": "max\n"})
+    assert cgroup_memory_limit(root) is None
+    assert default_memory_limit(root, host_total=64 * GiB) == 32 * GiB
+
+
+def test_default_memory_limit_honours_a_cgroup_v1_limit(tmp_path):
+    root = fake_root(tmp_path, "4:memory:/docker/abc\n0::/\n",
+                     {"memory/memory.limit_in_bytes": f"{6 * GiB}\n"})
+    assert cgroup_memory_limit(root) == 6 * GiB
+    assert default_memory_limit(root, host_total=64 * GiB) == 3 * GiB
+    (root / "sys/fs/cgroup/memory/memory.limit_in_bytes").write_text("9223372036854771712\n")  # "unlimited"
+    assert cgroup_memory_limit(root) is None
+
+
+def test_default_memory_limit_without_any_cgroup_is_half_the_machine(tmp_path):
+    assert cgroup_memory_limit(tmp_path) is None
+    assert default_memory_limit(tmp_path, host_total=64 * GiB) == 32 * GiB
 
 
 @pytest.mark.parametrize("args, message", [

@@ -103,7 +103,6 @@ def test_memd_killed_during_a_disk_write(memd_factory, tmp_path, reference, poin
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: crashing.proc.poll() is not None, 120, "dash-memd to crash in its disk write")
-        crashing._log.close()
         restarted = memd_factory(data_dir=data_dir)
         restarted.stop()
         restarted.start(port=port)

@@ -26,8 +26,9 @@ import pytest
 from conftest import REPO, TRAIN, kill_tree, wait_for
 
 from dashrun.errors import UnavailableError, UsageError
-from dashrun.launch import fanout as hosts
-from dashrun.launch.launcher import build_parser
+from dashrun.launch import fanout
+from dashrun.launch import hostfile as hosts
+from dashrun.launch.options import build_parser
 
 SSHD = Path("/usr/sbin/sshd")
 needs_sshd = pytest.mark.skipif(
@@ -79,7 +80,7 @@ def _config(tmp_path, monkeypatch, *argv: str, hostfile="hostA slots=2\nhostB sl
     monkeypatch.chdir(tmp_path)
     argv = ["--hostfile", "hostfile", "--ssh-config", "ssh_config", *argv]
     parser = build_parser()
-    return hosts.config_from_args(argv, parser.parse_args(argv), parser)
+    return fanout.config_from_args(argv, parser.parse_args(argv), parser)
 
 
 def test_each_host_gets_its_command(tmp_path, monkeypatch):
@@ -159,9 +160,9 @@ def test_the_ssh_config_is_read_as_ssh_reads_it(tmp_path, monkeypatch):
 
 def test_stripping_understands_argparse_spellings():
     parser = build_parser()
-    head = ["--memd=a:1", "--log-dir", "--memd", "--hostf", "f", "--no-python", "-r", "3", "--nnodes", "4"]
-    assert hosts._without(head, parser, frozenset({"memd", "hostfile", "nnodes"})) == [
-        "--log-dir", "--memd", "--no-python", "-r", "3"]
+    head = ["--memd=a:1", "--log-dir=--memd", "--hostf", "f", "--no-python", "-r", "3", "--nnodes", "4"]
+    assert fanout._without(head, parser, frozenset({"memd", "hostfile", "nnodes"})) == [
+        "--log-dir=--memd", "--no-python", "-r", "3"]
 
 
 # --- two hosts through two real sshd ------------------------------------------------
@@ -249,17 +250,17 @@ def cluster(tmp_path):
         sshd.stop()
 
 
-def fan_out(ssh_config: Path, command_a: str, command_b: str) -> hosts.HostsConfig:
+def fan_out(ssh_config: Path, command_a: str, command_b: str) -> fanout.HostsConfig:
     """A fan-out to hostA and hostB of plain shell commands: the SSH side alone, without torch."""
     both = (hosts.Host("hostA"), hosts.Host("hostB"))
-    return hosts.HostsConfig(hosts=both, targets=hosts.ssh_targets(both, str(ssh_config)),
-                             commands=(command_a, command_b), job_id="shell", rdzv_endpoint="-")
+    return fanout.HostsConfig(hosts=both, targets=hosts.ssh_targets(both, str(ssh_config)),
+                              commands=(command_a, command_b), job_id="shell", rdzv_endpoint="-")
 
 
 @needs_sshd
 def test_every_line_comes_back_prefixed_with_its_host(cluster, capsys):
     config = fan_out(cluster(), "printf 'one\\ntwo\\n'; printf 'no newline'", "echo three >&2")
-    assert hosts.run(config) == 0
+    assert fanout.run(config) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sorted(lines) == ["[hostA] no newline", "[hostA] one", "[hostA] two", "[hostB] three"]
     assert lines.index("[hostA] one") < lines.index("[hostA] two")
@@ -267,11 +268,11 @@ def test_every_line_comes_back_prefixed_with_its_host(cluster, capsys):
 
 @needs_sshd
 def test_a_host_that_ignores_ctrl_c_is_hung_up_on(cluster, monkeypatch, caplog):
-    monkeypatch.setattr(hosts, "STOP_GRACE", 1.0)
+    monkeypatch.setattr(fanout, "STOP_GRACE", 1.0)
     deaf = "trap '' INT; sleep 3131"
     config = fan_out(cluster(), deaf, "sleep 1; exit 5")
     started = time.monotonic()
-    assert hosts.run(config) == 5
+    assert fanout.run(config) == 5
     assert time.monotonic() - started < 20
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors[0] == "host hostB failed first (exit code 5)"
@@ -284,7 +285,7 @@ def test_an_unreachable_host_starts_nothing(tmp_path):
     config.write_text(f"Host gone\n  HostName 127.0.0.1\n  Port {free_port()}\n  ConnectTimeout 5\n")
     (target,) = hosts.ssh_targets((hosts.Host("gone"),), str(config))
     with pytest.raises(UnavailableError, match=r"cannot reach gone \(.*@127\.0\.0\.1:[0-9]+\)") as caught:
-        hosts._connect(target)
+        fanout._connect(target)
     assert caught.value.hint
 
 

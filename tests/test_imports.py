@@ -1,9 +1,181 @@
-"""dash-memd and dash-agent run on a bare VM without torch; only the rank side imports it."""
+"""The layout's rules, checked: import boundaries between the processes, no cycles, small documented modules.
 
+The static rules read every module under ``dashrun/`` and ``agent/`` (installed as
+``dashrun.agent``) with :mod:`ast`, function-level imports included (only
+``if TYPE_CHECKING:`` blocks, which never run, are left out). The runtime rules
+import modules in a fresh interpreter and look at ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ROOTS = {"dashrun": REPO / "dashrun", "dashrun.agent": REPO / "agent"}
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the project by its dotted name (packages by their name, not ``.__init__``)."""
+    out = {}
+    for prefix, root in ROOTS.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([prefix, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """(module imported, names taken from it, line) for every import in the file, at any depth."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit(sub)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, [], child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")
+                    anchor = anchor[:len(anchor) - child.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                found.append((base, [alias.name for alias in child.names], child.lineno))
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def _edges(name: str) -> set[str]:
+    """The project modules ``name`` imports: ``from pkg import mod`` counts as importing ``pkg.mod``."""
+    out = set()
+    for module, names, _ in _imports(name, MODULES[name]):
+        if module not in MODULES:
+            continue
+        submodules = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+        out.update(submodules or [module])
+        if len(submodules) < len(names):
+            out.add(module)
+    out.discard(name)
+    return out
+
+
+GRAPH = {name: _edges(name) for name in MODULES}
+
+
+def _reachable(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_there_is_no_import_cycle():
+    cycles = []
+    for name in MODULES:
+        if name in _reachable(name):
+            path = [name]
+            # one cycle through it, for the message: walk back along modules that reach it
+            while True:
+                nxt = next(m for m in sorted(GRAPH[path[-1]]) if m == name or name in _reachable(m))
+                if nxt == name:
+                    break
+                path.append(nxt)
+            cycles.append(" -> ".join(path + [name]))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+# Who may import whom, transitively: (these modules, must never reach these packages)
+BOUNDARIES = [
+    ("dashrun.rank", ("dashrun.launch", "dashrun.memd", "dashrun.agent")),
+    ("dashrun.memd", ("dashrun.rank", "dashrun.launch", "dashrun.agent")),
+    ("dashrun.agent", ("dashrun.rank", "dashrun.launch", "dashrun.memd")),
+    ("dashrun.launch", ("dashrun.memd", "dashrun.agent")),
+    ("dashrun.wire", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
+    ("dashrun.util", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent", "dashrun.wire")),
+    ("dashrun.errors", ("dashrun",)),
+    ("dashrun.env", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent", "dashrun.wire")),
+]
+
+
+@pytest.mark.parametrize("source,forbidden", BOUNDARIES, ids=[b[0] for b in BOUNDARIES])
+def test_import_boundaries(source, forbidden):
+    broken = {}
+    for name in MODULES:
+        if not _in(name, source):
+            continue
+        bad = sorted(m for m in _reachable(name) if _in(m, *forbidden) and not _in(m, source))
+        if bad:
+            broken[name] = bad
+    assert not broken, f"{source} must not import {', '.join(forbidden)}: {broken}"
+
+
+def test_nothing_imports_the_agent_but_the_agent():
+    importers = sorted(name for name, edges in GRAPH.items()
+                       if not _in(name, "dashrun.agent") and any(_in(m, "dashrun.agent") for m in edges))
+    assert not importers
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    reaches = []
+    for name, path in MODULES.items():
+        for module, names, line in _imports(name, path):
+            if not _in(module, "dashrun") or module == name:
+                continue
+            for imported in names:
+                # a private module (the C helper dashrun.util._ntcopy) is a module, not a helper
+                private = imported.startswith("_") and not (imported.startswith("__") and imported.endswith("__"))
+                if private and f"{module}.{imported}" not in MODULES and imported != "_ntcopy":
+                    reaches.append(f"{path.relative_to(REPO)}:{line}: {module}.{imported}")
+    assert not reaches, "\n".join(reaches)
+
+
+def test_modules_are_small_documented_and_state_their_public_names():
+    problems = []
+    for name, path in MODULES.items():
+        rel = path.relative_to(REPO)
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            problems.append(f"{rel}: {lines} lines (at most {MAX_LINES})")
+        if path.name == "__main__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        if not ast.get_docstring(tree):
+            problems.append(f"{rel}: no module docstring")
+        targets = [t for n in tree.body if isinstance(n, ast.Assign) for t in n.targets] + [
+            n.target for n in tree.body if isinstance(n, ast.AnnAssign)]
+        if not any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            problems.append(f"{rel}: no __all__")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("modules", [
@@ -23,8 +195,87 @@ def test_dashrun_package_import_is_lazy_about_the_checkpointer():
     assert out.stdout.strip() == "False True"
 
 
-def test_dashrun_never_imports_agent():
-    code = ("import sys, dashrun, dashrun.launch.launcher, dashrun.rank.checkpointer, dashrun.memd.server; "
-            "print(any(m == 'agent' or m.startswith('agent.') for m in sys.modules))")
+def test_dashrun_never_imports_agent_at_run_time():
+    code = ("import sys, dashrun, dashrun.launch.cli, dashrun.launch.launcher, dashrun.launch.commands, "
+            "dashrun.rank.checkpointer, dashrun.memd.server; "
+            "print(any(m.startswith('dashrun.agent') or m == 'agent' for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_agent_installs_inside_dashrun_not_as_a_top_level_package(tmp_path):
+    """From outside the checkout (where the project root is not on sys.path), ``agent`` is nobody's package."""
+    code = ("import importlib.util, dashrun.agent; print(importlib.util.find_spec('agent') is None, "
+            "dashrun.agent.__name__)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env=env)
+    assert out.stdout.split() == ["True", "dashrun.agent"]
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "dashrun"], ["-m", "dashrun", "status"], ["-m", "dashrun.memd"], ["-m", "dashrun.agent"],
+])
+def test_every_command_tells_its_version(command, tmp_path):
+    import dashrun
+
+    out = subprocess.run([sys.executable, *command, "--version"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == dashrun.__version__
+    assert "version = attr: dashrun.version.__version__" in (REPO / "setup.cfg").read_text()
+
+
+def _click_options(command, path=()):
+    import click
+
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name not in ("help", "version"):
+            yield " ".join(path) or command.name, param
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _click_options(sub, (*path, name))
+
+
+def test_every_option_of_the_three_commands_has_an_environment_twin_that_help_shows():
+    """dash-memd and dash-agent (click), the job commands (click, DASH_<COMMAND>_<OPTION> where not named),
+    and the launcher's own options (torchrun's parser, where torchrun's flags keep their PET_* twins)."""
+    from dashrun import env
+    from dashrun.agent.cli import cli as agent_cli
+    from dashrun.launch.commands import cli as commands_cli
+    from dashrun.launch.options import NAMES, build_parser
+    from dashrun.memd.cli import cli as memd_cli
+
+    assert commands_cli.context_settings.get("auto_envvar_prefix") == "DASH"
+    missing = []
+    for program, group, auto in (("dash-memd", memd_cli, False), ("dash-agent", agent_cli, False),
+                                 ("dashrun", commands_cli, True)):
+        for where, option in _click_options(group):
+            named = isinstance(option.envvar, str) and option.envvar.startswith("DASH_")
+            if not option.show_envvar or not (named or (auto and option.allow_from_autoenv)):
+                missing.append(f"{program} {where} --{option.name.replace('_', '-')}")
+    parser_help = " ".join(build_parser().format_help().split())
+    own = [name for dest, name in NAMES.items() if isinstance(getattr(env, dest.upper(), None), env.Var)]
+    assert len(own) >= 10  # the rest of NAMES are torchrun's, with their PET_* twins
+    missing += [f"dashrun {name.strings[0]}" for name in own if f"env DASH_{name.dest.upper()}" not in parser_help]
+    assert not missing, missing
+
+
+def test_environment_twins_set_their_options(tmp_path, monkeypatch):
+    """DASH_MEMORY_LIMIT (in the usual units) and DASH_MAX_CONNECTIONS reach dash-memd's config; DASH_GC_KEEP
+    reaches ``dashrun gc``."""
+    from click.testing import CliRunner
+
+    from dashrun.launch.commands import cli as commands_cli
+    from dashrun.memd import cli as memd_cli
+    from dashrun.util.tokens import write_token
+
+    write_token(tmp_path / "token")
+    configs = []
+    monkeypatch.setattr(memd_cli, "run", lambda config: configs.append(config) or 0)
+    monkeypatch.setattr(memd_cli, "setup_logging", lambda *args: None)
+    result = CliRunner().invoke(memd_cli.cli, ["start"], env={
+        "DASH_DATA_DIR": str(tmp_path / "data"), "DASH_TOKEN_FILE": str(tmp_path / "token"),
+        "DASH_MEMORY_LIMIT": "2GB", "DASH_MAX_CONNECTIONS": "7"})
+    assert result.exit_code == 0, result.output
+    assert (configs[0].memory_limit, configs[0].max_connections) == (2 * 10**9, 7)
+    result = CliRunner().invoke(commands_cli, ["gc", "job-1"], env={"DASH_GC_KEEP": "0"})
+    assert result.exit_code == 2 and "DASH_GC_KEEP" not in result.output and "0 is not in the range" in result.output

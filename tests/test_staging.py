@@ -13,7 +13,8 @@ import torch
 from dashrun.rank import staging
 from dashrun.wire.protocol import crc32c
 
-needs_helper = pytest.mark.skipif(not staging.streaming, reason="dashrun.util._ntcopy not built, or not x86-64 with SSE4.2")
+needs_helper = pytest.mark.skipif(not staging.streaming,
+                                  reason="dashrun.util._ntcopy not built, or not x86-64 with SSE4.2")
 
 
 def test_the_helper_is_built_where_it_can_be():

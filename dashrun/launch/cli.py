@@ -1,26 +1,31 @@
-"""The ``dashrun`` command: a torchrun drop-in launcher, and the job commands beside it."""
+"""The ``dashrun`` command: a torchrun drop-in launcher, and the job commands beside it.
+
+``dashrun status|ls|export|gc|rm|resume ...`` are the job commands
+(:mod:`dashrun.launch.commands`); anything else is a launch command line
+(:mod:`dashrun.launch.dispatch`). Errors are rendered here, once, as one line
+and an exit code.
+"""
 
 from __future__ import annotations
 
 import sys
 
 from dashrun.errors import DashError
+from dashrun.launch import commands, dispatch
 from dashrun.util.console import report, run_click, setup_logging
 
+__all__ = ["COMMANDS", "main"]
+
 PROGRAM = "dashrun"
-COMMANDS = frozenset({"resume", "status", "ls", "export", "gc", "rm"})
+COMMANDS = frozenset(commands.cli.commands)  # resume, status, ls, export, gc, rm
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     setup_logging(PROGRAM)
     if argv and argv[0] in COMMANDS:
-        from dashrun.launch.commands import cli
-
-        run_click(cli, PROGRAM, argv)
-    from dashrun.launch.launcher import launch
-
+        run_click(commands.cli, PROGRAM, argv)
     try:
-        sys.exit(launch(argv))
+        sys.exit(dispatch.launch(argv))
     except DashError as e:
         sys.exit(report(PROGRAM, e))

@@ -3,7 +3,12 @@
 Each takes ``--memd``/``--token-file`` (env twins ``DASH_MEMD``,
 ``DASH_TOKEN_FILE``); without ``--memd`` it uses the private dash-memd of
 this machine (attaching to it while a dashrun runs, else starting it for the
-length of the command). ``--json`` prints machine-readable output.
+length of the command). ``--json`` prints machine-readable output. Every
+other option has the twin ``DASH_<COMMAND>_<OPTION>`` (``DASH_GC_KEEP``,
+``DASH_STATUS_JSON``); ``--help`` shows each. Thin commands: each asks
+dash-memd, prints, and lets :mod:`dashrun.util.console` render errors;
+``resume`` re-runs the stored command line through
+:func:`dashrun.launch.dispatch.launch`.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from dashrun import env
-from dashrun.env import DEFAULT_PORT
 from dashrun.errors import NotFoundError, UsageError
+from dashrun.launch import dispatch
+from dashrun.launch.options import memd_address
 from dashrun.launch.private_memd import PrivateMemd
 from dashrun.util.tokens import read_token
-from dashrun.util.units import format_size, parse_address
+from dashrun.util.units import format_size
+from dashrun.version import __version__
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.protocol import valid_job_id
+
+__all__ = ["cli", "connect", "memd_options"]
 
 console = Console()
 
@@ -41,8 +50,7 @@ def connect(memd: str | None, token_file: str | None) -> Iterator[MemdClient]:
         return
     if token_file is None:
         raise UsageError("--memd needs --token-file", hint="the file with the token dash-memd was started with")
-    host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
-    with MemdClient(host, port, read_token(token_file)) as client:
+    with MemdClient(*memd_address(memd), read_token(token_file)) as client:
         yield client
 
 
@@ -52,11 +60,22 @@ def _job(job: str) -> str:
     return job
 
 
+def _version_option(command):
+    return click.version_option(__version__, "--version", prog_name="dashrun", message="%(prog)s %(version)s",
+                                allow_from_autoenv=False)(command)
+
+
 def memd_options(command):
-    command = click.option("--token-file", envvar=env.TOKEN_FILE.name, default=None,
+    """``--memd``, ``--token-file`` (their twins are dashrun's own) and ``--version``, for every command."""
+    command = _version_option(command)
+    command = click.option("--token-file", envvar=env.TOKEN_FILE.name, show_envvar=True, default=None,
                            help="File with the cluster's token.")(command)
-    return click.option("--memd", envvar=env.MEMD.name, default=None,
+    return click.option("--memd", envvar=env.MEMD.name, show_envvar=True, default=None,
                         help="HOST:PORT of dash-memd (default: this machine's private one).")(command)
+
+
+def _print_json(value) -> None:
+    click.echo(json.dumps(value, indent=1, sort_keys=True))
 
 
 def _age(timestamp: float) -> str:
@@ -67,20 +86,22 @@ def _age(timestamp: float) -> str:
     return f"{seconds:.0f}s ago"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# auto_envvar_prefix: an option without a twin of dashrun.env's gets DASH_<COMMAND>_<OPTION>
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "DASH"})
+@_version_option
 def cli() -> None:
     """Inspect and manage dashrun jobs (launch one with: dashrun [torchrun flags] script.py)."""
 
 
 @cli.command()
 @memd_options
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def status(memd, token_file, as_json) -> None:
+@click.option("--json", is_flag=True, show_envvar=True, help="Print JSON.")
+def status(memd, token_file, json) -> None:  # noqa: A002 (the name makes the twin DASH_<COMMAND>_JSON)
     """Jobs held by dash-memd: newest committed step, where it is, how big, how old."""
     with connect(memd, token_file) as client:
         listing = client.list()
-    if as_json:
-        click.echo(json.dumps(listing, indent=1, sort_keys=True))
+    if json:
+        _print_json(listing)
         return
     memory = listing.get("memory", {})
     console.print(f"dash-memd at {client.address}: {format_size(memory.get('used', 0))} of "
@@ -115,16 +136,16 @@ def status(memd, token_file, as_json) -> None:
 @cli.command(name="ls")
 @click.argument("job")
 @memd_options
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def ls(job, memd, token_file, as_json) -> None:
+@click.option("--json", is_flag=True, show_envvar=True, help="Print JSON.")
+def ls(job, memd, token_file, json) -> None:  # noqa: A002
     """The committed checkpoints of JOB."""
     with connect(memd, token_file) as client:
         listing = client.list()
     entry = next((j for j in listing.get("jobs", []) if j["job"] == _job(job)), None)
     if entry is None:
         raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
-    if as_json:
-        click.echo(json.dumps(entry, indent=1, sort_keys=True))
+    if json:
+        _print_json(entry)
         return
     table = Table("step", "state", "in", "ranks", "size", "committed")
     for checkpoint in entry["checkpoints"]:
@@ -136,11 +157,12 @@ def ls(job, memd, token_file, as_json) -> None:
 @cli.command()
 @click.argument("job")
 @click.argument("out", type=click.Path())
-@click.option("--step", type=int, default=None, help="Which committed step (default: the newest).")
-@click.option("--format", "fmt", type=click.Choice(["torch", "dcp"]), default="torch", show_default=True,
+@click.option("--step", type=int, default=None, show_envvar=True, help="Which committed step (default: the newest).")
+@click.option("--format", type=click.Choice(["torch", "dcp"]), default="torch", show_default=True,
+              show_envvar=True,
               help="torch: one file for torch.load; dcp: a directory for torch.distributed.checkpoint.load.")
 @memd_options
-def export(job, out, step, fmt, memd, token_file) -> None:
+def export(job, out, step, format, memd, token_file) -> None:  # noqa: A002 (twin DASH_EXPORT_FORMAT)
     """Write a committed checkpoint of JOB to OUT in a standard format."""
     from dashrun.launch import export as exporter
 
@@ -150,13 +172,14 @@ def export(job, out, step, fmt, memd, token_file) -> None:
         task = progress.add_task(f"fetching {job}", total=None)
         info, state = exporter.fetch_state(client, _job(job), step,
                                            lambda done, total: progress.update(task, completed=done, total=total))
-    exporter.write(state, fmt, Path(out))
+    exporter.write(state, format, Path(out))
     console.print(f"exported {job} step {info.step} ({format_size(info.nbytes)}, {info.world} ranks) to {out}")
 
 
 @cli.command()
 @click.argument("job")
-@click.option("--keep", type=click.IntRange(min=1), required=True, help="Keep the newest N checkpoints.")
+@click.option("--keep", type=click.IntRange(min=1), required=True, show_envvar=True,
+              help="Keep the newest N checkpoints.")
 @memd_options
 def gc(job, keep, memd, token_file) -> None:
     """Delete all but the newest KEEP checkpoints of JOB."""
@@ -177,7 +200,7 @@ def rm(job, memd, token_file) -> None:
 
 
 @cli.command()
-@click.option("--job-id", envvar=env.JOB_ID.name, required=True, help="The job to resume.")
+@click.option("--job-id", envvar=env.JOB_ID.name, show_envvar=True, required=True, help="The job to resume.")
 @memd_options
 def resume(job_id, memd, token_file) -> None:
     """Relaunch JOB on this node as it was launched, from its newest committed checkpoint.
@@ -185,8 +208,6 @@ def resume(job_id, memd, token_file) -> None:
     What a replacement Spot VM runs at boot: dash-memd keeps each job's command
     line and working directory.
     """
-    from dashrun.launch.launcher import launch
-
     with connect(memd, token_file) as client:
         spec = client.get_spec(_job(job_id))
     if spec is None:
@@ -201,5 +222,5 @@ def resume(job_id, memd, token_file) -> None:
     overrides = {"job_id": job_id, "fresh": False}
     if memd is not None:
         overrides.update(memd=memd, token_file=token_file)
-    raise SystemExit(launch(list(spec.argv), overrides))
+    raise SystemExit(dispatch.launch(list(spec.argv), overrides))
 

@@ -21,11 +21,13 @@ from typing import Any, Callable
 import torch
 
 from dashrun.errors import NotFoundError, UsageError
-from dashrun.rank.checkpointer import decode_private, decode_replicated
+from dashrun.rank.restore import decode_private, decode_replicated
 from dashrun.util.files import fsync_dir
 from dashrun.wire import image
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
+
+__all__ = ["FORMATS", "fetch_state", "write"]
 
 FORMATS = ("torch", "dcp")
 
@@ -72,6 +74,7 @@ def _plain(tree: Any) -> Any:
 
 
 def write(state: dict[str, Any], fmt: str, out: Path) -> None:
+    """``state`` to ``out`` in format ``fmt`` (one of :data:`FORMATS`), whole or not at all; never overwrites."""
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format {fmt!r}", hint="use --format torch or --format dcp")
     out = Path(out)

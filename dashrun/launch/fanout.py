@@ -8,9 +8,14 @@ prefixed with its name. The first host that fails stops the others and its
 exit code is the job's; Ctrl-C (SIGINT/SIGTERM) stops them all.
 
 SSH is paramiko's, configured the way ``ssh`` is: the user's OpenSSH config
-(HostName, Port, User, IdentityFile, IdentitiesOnly, UserKnownHostsFile,
-GlobalKnownHostsFile, ConnectTimeout) and known hosts. A host whose key is
-not already known is refused, never trusted on first use.
+(:mod:`dashrun.launch.hostfile` reads it) and known hosts. A host whose key
+is not already known is refused, never trusted on first use.
+
+What the fan-out decides for every host (``--nnodes``, the rendezvous,
+dashrun's ``--memd``, ``--job-id``, ...) is taken out of the user's command
+line by a parser of those options alone, spelled as the full parser spells
+them (:data:`dashrun.launch.options.NAMES`): what it does not recognise is
+what each host gets as it was typed.
 """
 
 from __future__ import annotations
@@ -19,22 +24,24 @@ import argparse
 import base64
 import concurrent.futures
 import dataclasses
-import getpass
 import hashlib
 import logging
 import os
 import queue
-import re
 import shlex
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
+from typing import NoReturn
 
 from dashrun import env
 from dashrun.errors import DashError, ExitCode, UnavailableError, UsageError
+from dashrun.launch.hostfile import Host, SshTarget, read_hostfile, ssh_targets
+from dashrun.launch.options import NAMES, job_id_from_args, memd_address, require_shared_memd, require_token_file
 from dashrun.util.signals import STOP_SIGNALS, next_stop_signal
+
+__all__ = ["DECIDED", "HostsConfig", "Session", "config_from_args", "remote_command", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -46,139 +53,12 @@ DEFAULT_RDZV_PORT = 29400
 STOP_GRACE = 40.0
 #: Seconds to wait for the readers of closed sessions to report.
 CLOSE_WAIT = 10.0
-CONNECT_TIMEOUT = 15.0
-HOSTFILE_HINT = "each line is 'HOST [slots=N]'; '#' starts a comment"
 
-#: Options the fan-out decides for every host; removed from the user's command line before it is sent.
-_DECIDED = frozenset({"hostfile", "ssh_config", "remote_python", "memd", "token_file", "job_id", "fresh",
-                      "nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id"})
+#: Options the fan-out decides for every host (by dest); removed from the user's command line before it is sent.
+DECIDED = frozenset({"hostfile", "ssh_config", "remote_python", "memd", "token_file", "job_id", "fresh",
+                     "nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id"})
 #: Variables that travel to every host as they are set here (torchrun's PET_* twins travel too).
 _FORWARDED = (env.CRASH_AT,)
-
-
-# --- the hostfile --------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Host:
-    """One line of the hostfile: an SSH host (an alias of the ssh config, or a name) and its ranks."""
-
-    name: str
-    slots: int = 1
-
-
-def parse_hostfile(text: str, source: str = "hostfile") -> tuple[Host, ...]:
-    """DeepSpeed/MPI hostfile: ``HOST [slots=N]`` per line; ``#`` comments and blank lines are skipped.
-
-    A host without ``slots=`` gets 1, as in MPI.
-    """
-    hosts: dict[str, tuple[int, Host]] = {}
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        fields = raw.split("#", 1)[0].split()
-        if not fields:
-            continue
-        where = f"{source}:{lineno}"
-        name, options = fields[0], fields[1:]
-        if not re.fullmatch(r"[A-Za-z0-9_.:-]+", name):
-            raise UsageError(f"{where}: {name!r} is not a host name", hint=HOSTFILE_HINT)
-        slots = 1
-        for option in options:
-            key, sep, value = option.partition("=")
-            if key != "slots" or not sep:
-                raise UsageError(f"{where}: unknown field {option!r} after host {name!r}", hint=HOSTFILE_HINT)
-            if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
-                raise UsageError(f"{where}: slots={value} for host {name!r} is not a whole number >= 1",
-                                 hint="slots is the number of ranks (usually GPUs) to start on that host")
-            slots = int(value)
-        if name in hosts:
-            raise UsageError(f"{where}: host {name!r} is listed twice (first on line {hosts[name][0]})",
-                             hint="list each host once and give it all its ranks with slots=N")
-        hosts[name] = (lineno, Host(name, slots))
-    if not hosts:
-        raise UsageError(f"{source} lists no hosts", hint=HOSTFILE_HINT)
-    return tuple(host for _, host in hosts.values())
-
-
-def read_hostfile(path: str | os.PathLike) -> tuple[Host, ...]:
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read hostfile {path}: {getattr(e, 'strerror', None) or e}",
-                         hint="--hostfile names a file with one 'HOST slots=N' per line") from None
-    return parse_hostfile(text, str(path))
-
-
-# --- where each host is, as ssh would see it ----------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SshTarget:
-    """How to reach one host, resolved from the ssh config like ``ssh HOST`` resolves it."""
-
-    alias: str
-    hostname: str
-    port: int = 22
-    user: str = ""
-    identity_files: tuple[str, ...] = ()
-    identities_only: bool = False
-    known_hosts_files: tuple[str, ...] = ()
-    connect_timeout: float = CONNECT_TIMEOUT
-
-
-def _known_hosts_files(option: dict, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
-    # As in ssh: the option replaces the default list; "none" means no file.
-    value = option.get(key)
-    if value is None:
-        return default
-    paths = value if isinstance(value, list) else value.split()
-    return tuple(os.path.expanduser(p) for p in paths if p.lower() != "none")
-
-
-def ssh_targets(hosts: tuple[Host, ...], ssh_config: str | None) -> tuple[SshTarget, ...]:
-    """Resolve every host through the user's OpenSSH config (``~/.ssh/config`` unless ``ssh_config`` names one)."""
-    import paramiko
-
-    explicit = ssh_config is not None
-    path = Path(os.path.expanduser(ssh_config or "~/.ssh/config"))
-    config = paramiko.SSHConfig()
-    if explicit or path.exists():
-        try:
-            config = paramiko.SSHConfig.from_path(str(path))
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read ssh config {path}: {getattr(e, 'strerror', None) or e}",
-                             hint="--ssh-config names an OpenSSH client config file") from None
-        except (paramiko.ssh_exception.ConfigParseError, ValueError) as e:
-            raise UsageError(f"ssh config {path} is not valid: {e}", hint="check it with 'ssh -G HOST -F FILE'") \
-                from None
-    targets = []
-    for host in hosts:
-        option = config.lookup(host.name)
-        for unsupported in ("proxyjump", "proxycommand"):
-            if option.get(unsupported, "none").lower() != "none":
-                raise UsageError(f"ssh config {path} reaches {host.name} through {unsupported}, which dashrun "
-                                 "does not support", hint="give each host an address dashrun can connect to directly")
-        try:
-            port = int(option.get("port", 22))
-            timeout = float(option.get("connecttimeout", CONNECT_TIMEOUT))
-        except ValueError as e:
-            raise UsageError(f"ssh config {path}: bad value for {host.name}: {e}", hint="Port and ConnectTimeout "
-                             "are numbers") from None
-        targets.append(SshTarget(
-            alias=host.name,
-            hostname=option.get("hostname", host.name),
-            port=port,
-            user=option.get("user") or getpass.getuser(),
-            identity_files=tuple(os.path.expanduser(p) for p in option.get("identityfile", [])),
-            identities_only=option.get("identitiesonly", "no").lower() == "yes",
-            known_hosts_files=(
-                _known_hosts_files(option, "globalknownhostsfile",
-                                   ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2"))
-                + _known_hosts_files(option, "userknownhostsfile",
-                                     (os.path.expanduser("~/.ssh/known_hosts"),
-                                      os.path.expanduser("~/.ssh/known_hosts2")))),
-            connect_timeout=timeout,
-        ))
-    return tuple(targets)
 
 
 # --- the command each host runs ------------------------------------------------------
@@ -195,34 +75,26 @@ class HostsConfig:
     rdzv_endpoint: str
 
 
-def _option_action(parser: argparse.ArgumentParser, token: str) -> argparse.Action | None:
-    """The option a command-line token names, as argparse would match it (exact, or a unique prefix)."""
-    if not token.startswith("-") or token == "--":
-        return None
-    name = token.split("=", 1)[0] if token.startswith("--") else token
-    actions = [a for a in parser._actions if a.option_strings]
-    for action in actions:
-        if name in action.option_strings:
-            return action
-    if parser.allow_abbrev and token.startswith("--"):
-        matches = {id(a): a for a in actions for s in a.option_strings if s.startswith(name)}
-        if len(matches) == 1:
-            return next(iter(matches.values()))
-    return None
+class _DecidedOptions(argparse.ArgumentParser):
+    """A parser of the options decided for every host; a line it cannot read is a usage error, not an exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"cannot take the options decided for every host out of the command line: {message}",
+                         hint="give each option its value, and spell options in full")
 
 
 def _without(options: list[str], parser: argparse.ArgumentParser, dests: frozenset[str]) -> list[str]:
-    """``options`` (the launcher's part of a command line) with every option whose dest is in ``dests`` removed."""
-    kept, i = [], 0
-    while i < len(options):
-        token = options[i]
-        action = _option_action(parser, token)
-        # "--opt value" is two tokens; "--opt=value", a flag, or anything else (a value, "-r3") is one
-        width = 2 if action is not None and action.nargs != 0 and "=" not in token else 1
-        if action is None or action.dest not in dests:
-            kept.extend(options[i:i + width])
-        i += width
-    return kept
+    """``options`` (the launcher's part of a command line) with every option whose dest is in ``dests`` removed.
+
+    argparse itself decides: a parser of those options alone, spelled as in
+    ``parser`` and abbreviated as ``parser`` allows, returns everything else
+    as it was typed. An abbreviation that ``parser`` accepted is unique there,
+    so it names the same option here.
+    """
+    decided = _DecidedOptions(prog="dashrun", add_help=False, allow_abbrev=parser.allow_abbrev)
+    for dest in sorted(dests):
+        NAMES[dest].add_to(decided)
+    return decided.parse_known_args(options)[1]
 
 
 def _split_command_line(argv: list[str], args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -254,11 +126,6 @@ def remote_command(*, cwd: str, python: str, environment: dict[str, str], argv: 
 
 def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser) -> HostsConfig:
     """Everything the hosts need, decided here once: the job id, the rendezvous, each host's command."""
-    from dashrun.env import DEFAULT_PORT
-    from dashrun.launch.launcher import derive_job_id
-    from dashrun.util.units import parse_address
-    from dashrun.wire.protocol import valid_job_id
-
     hosts = read_hostfile(args.hostfile)
     if args.standalone:
         raise UsageError("--standalone runs on one node; it cannot be combined with --hostfile",
@@ -269,23 +136,16 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
     if args.rdzv_backend not in ("static", "c10d"):
         raise UsageError(f"--hostfile starts a c10d rendezvous; --rdzv-backend {args.rdzv_backend} is not supported "
                          "with it", hint="drop --rdzv-backend")
-    if args.memd is None and len(hosts) > 1:
-        raise UsageError("a job on several hosts needs a dash-memd they all reach",
-                         hint="start one with 'dash-memd start' on a stable VM and pass --memd HOST:PORT")
+    require_shared_memd(args, len(hosts), "hosts")
     if args.memd is not None:
-        parse_address(args.memd, default_port=DEFAULT_PORT, what="--memd")  # fail here, not on every host
-        if args.token_file is None:
-            raise UsageError("--memd needs --token-file", hint="the file with the token dash-memd was started with "
-                             "(at the same path on every host)")
-    job_id = args.job_id or derive_job_id(args.training_script, args.training_script_args)
-    if not valid_job_id(job_id):
-        raise UsageError(f"--job-id {job_id!r} is not a valid job id",
-                         hint="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit")
+        memd_address(args.memd)  # fail here, not on every host
+        require_token_file(args, " (at the same path on every host)")
+    job_id = job_id_from_args(args)
 
     targets = ssh_targets(hosts, args.ssh_config)
     endpoint = _endpoint(args, targets[0])
     options, script = _split_command_line(argv, args)
-    options = _without(options, parser, _DECIDED)
+    options = _without(options, parser, DECIDED)
     rdzv_id = job_id if args.rdzv_id in (None, "", "none") else args.rdzv_id
     # The first host serves the rendezvous store at the endpoint chosen for it. Said outright: torch would
     # guess it from the endpoint's address, and hosts that share an address (or a NAT) would race for it.

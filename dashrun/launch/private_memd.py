@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import fcntl
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 
-from dashrun.errors import UnavailableError, UsageError
+from dashrun.errors import UsageError
+from dashrun.util import daemon
 from dashrun.util.tokens import write_token
 from dashrun.util.units import parse_address
 
+__all__ = ["ADDRESS_FILE", "PrivateMemd", "home"]
+
 START_TIMEOUT = 60.0
+#: Seconds dash-memd gets to finish its disk writes when stopped.
+STOP_TIMEOUT = 120.0
 ADDRESS_FILE = "memd.addr"
 
 
@@ -72,29 +75,20 @@ class PrivateMemd:
             return self
         address_file.unlink(missing_ok=True)
         memory = min(psutil.virtual_memory().total // 4, 16 << 30)
-        self._log = open(self.root / "memd.log", "ab")
-        self.proc = subprocess.Popen(
+        self.proc = daemon.start(
             [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir", str(self.root),
              "--token-file", str(self.token_file), "--memory-limit", str(memory), "--ready-file", str(address_file)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT
-        while not address_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise UnavailableError(f"the private dash-memd did not start; see {self.root / 'memd.log'}")
-            time.sleep(0.05)
-        self.address = parse_address(address_file.read_text(), what="private dash-memd address")
+            ready=daemon.file_written(address_file), what="the private dash-memd", timeout=START_TIMEOUT,
+            log=self.root / "memd.log", start_new_session=True)
+        try:
+            self.address = parse_address(address_file.read_text(), what="private dash-memd address")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it finishes its disk writes first
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        daemon.stop(self.proc, timeout=STOP_TIMEOUT)  # SIGTERM: it finishes its disk writes first
         (self.root / ADDRESS_FILE).unlink(missing_ok=True)
-        self._log.close()

@@ -1,1 +1,11 @@
-"""dash-memd: checkpoints of many jobs in RAM, persisted to disk (see :mod:`.catalogue`)."""
+"""dash-memd: checkpoints of many jobs in RAM, persisted to disk and optionally to an S3 bucket.
+
+* :mod:`.cli` — the ``dash-memd`` command (parse, config, run); :mod:`.config` — its frozen config.
+* :mod:`.server` — the network server: authenticated clients, one thread each.
+* :mod:`.catalogue` — which checkpoints exist, in which state and tiers; the facade the server calls,
+  over :mod:`.entry` (the states), :mod:`.ledger` (the shared bookkeeping), :mod:`.retention`,
+  :mod:`.disk_writer` and :mod:`.uploader`.
+* :mod:`.tiers` — where the bytes are: RAM, disk, object storage.
+"""
+
+__all__ = []

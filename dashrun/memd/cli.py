@@ -1,4 +1,8 @@
-"""``dash-memd``: the daemon on the stable VM. Parse, build a config, run, exit."""
+"""``dash-memd``: the daemon on the stable VM. Parse, build a config, run, exit.
+
+Every option has an environment twin (``DASH_*``, :mod:`dashrun.env`); a flag
+wins over its variable, which wins over the default.
+"""
 
 from __future__ import annotations
 
@@ -8,81 +12,96 @@ import sys
 from pathlib import Path
 
 import click
-import psutil
 
 from dashrun import env
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode, UsageError
-from dashrun.memd.config import MemdConfig
+from dashrun.memd.config import MemdConfig, default_memory_limit
 from dashrun.util.console import run_click, setup_logging
 from dashrun.util.signals import block_stop_signals, next_stop_signal
 from dashrun.util.tokens import read_token, write_token
 from dashrun.util.units import format_size, parse_address, parse_size
+from dashrun.version import __version__
+
+__all__ = ["PROGRAM", "cli", "config_from_options", "main", "run"]
 
 PROGRAM = "dash-memd"
 log = logging.getLogger(PROGRAM)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name=PROGRAM, message="%(prog)s %(version)s")
 def cli() -> None:
     """dash-memd holds checkpoints of dashrun jobs in RAM and persists them to disk."""
 
 
 @cli.command()
-@click.option("--listen", envvar=env.LISTEN.name, default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True,
-              help="HOST:PORT to accept agents and clients on (port 0: any free port).")
-@click.option("--data-dir", envvar=env.DATA_DIR.name, required=True, type=click.Path(file_okay=False),
-              help="Directory of the disk tier.")
-@click.option("--memory-limit", envvar=env.MEMORY_LIMIT.name, default=None,
-              help="Checkpoint bytes held in RAM, e.g. 48GiB.  [default: half of this machine's RAM]")
-@click.option("--token-file", envvar=env.TOKEN_FILE.name, required=True, type=click.Path(dir_okay=False),
+@click.option("--listen", envvar=env.LISTEN.name, show_envvar=True, default=f"127.0.0.1:{DEFAULT_PORT}",
+              show_default=True, help="HOST:PORT to accept agents and clients on (port 0: any free port).")
+@click.option("--data-dir", envvar=env.DATA_DIR.name, show_envvar=True, required=True,
+              type=click.Path(file_okay=False), help="Directory of the disk tier.")
+@click.option("--memory-limit", envvar=env.MEMORY_LIMIT.name, show_envvar=True, default=None,
+              show_default="half of this machine's RAM or of its container's memory limit, whichever is smaller",
+              help="Checkpoint bytes held in RAM, e.g. 48GiB (GiB: 2^30 bytes, GB: 10^9).")
+@click.option("--token-file", envvar=env.TOKEN_FILE.name, show_envvar=True, required=True,
+              type=click.Path(dir_okay=False),
               help="File with the cluster's shared token (create one with 'dash-memd token').")
-@click.option("--keep-ram", envvar=env.KEEP_RAM.name, default=2, show_default=True, type=int,
+@click.option("--keep-ram", envvar=env.KEEP_RAM.name, show_envvar=True, default=2, show_default=True, type=int,
               help="Committed checkpoints per job kept in RAM.")
-@click.option("--keep-disk", envvar=env.KEEP_DISK.name, default=3, show_default=True, type=int,
+@click.option("--keep-disk", envvar=env.KEEP_DISK.name, show_envvar=True, default=3, show_default=True, type=int,
               help="Committed checkpoints per job kept on disk.")
-@click.option("--s3", envvar=env.S3.name, default=None, metavar="s3://BUCKET/PREFIX",
+@click.option("--s3", envvar=env.S3.name, show_envvar=True, default=None, metavar="s3://BUCKET/PREFIX",
               help="Also persist every committed checkpoint to this bucket (credentials and endpoint: the standard "
                    "AWS chain, AWS_ENDPOINT_URL included).")
-@click.option("--keep-object", envvar=env.KEEP_OBJECT.name, default=20, show_default=True, type=int,
-              help="Committed checkpoints per job kept in the object store.")
-@click.option("--upload-queue", default=8, show_default=True, type=int,
-              help="Uploads waiting at most; when full, the oldest is dropped.")
-@click.option("--max-connections", default=256, show_default=True, type=int)
-@click.option("--auth-timeout", default=10.0, show_default=True, type=float,
-              help="Seconds a new connection has to authenticate.")
-@click.option("--idle-timeout", default=300.0, show_default=True, type=float,
-              help="Seconds an authenticated connection may stay silent.")
-@click.option("--shutdown-timeout", default=60.0, show_default=True, type=float,
-              help="Seconds to finish disk writes on SIGTERM.")
-@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
-              help="Write HOST:PORT here once listening.")
-@click.option("--log-level", default="INFO", show_default=True)
-def start(listen, data_dir, memory_limit, token_file, keep_ram, keep_disk, s3, keep_object, upload_queue,
-          max_connections, auth_timeout, idle_timeout, shutdown_timeout, ready_file, log_level) -> None:
+@click.option("--keep-object", envvar=env.KEEP_OBJECT.name, show_envvar=True, default=20, show_default=True,
+              type=int, help="Committed checkpoints per job kept in the object store.")
+@click.option("--upload-queue", envvar=env.UPLOAD_QUEUE.name, show_envvar=True, default=8, show_default=True,
+              type=int, help="Uploads waiting at most; when full, the oldest is dropped.")
+@click.option("--max-connections", envvar=env.MAX_CONNECTIONS.name, show_envvar=True, default=256,
+              show_default=True, type=int, help="Clients served at once; more are refused as busy.")
+@click.option("--auth-timeout", envvar=env.AUTH_TIMEOUT.name, show_envvar=True, default=10.0, show_default=True,
+              type=float, help="Seconds a new connection has to authenticate.")
+@click.option("--idle-timeout", envvar=env.IDLE_TIMEOUT.name, show_envvar=True, default=300.0, show_default=True,
+              type=float, help="Seconds an authenticated connection may stay silent.")
+@click.option("--shutdown-timeout", envvar=env.SHUTDOWN_TIMEOUT.name, show_envvar=True, default=60.0,
+              show_default=True, type=float, help="Seconds to finish disk writes on SIGTERM.")
+@click.option("--ready-file", envvar=env.READY_FILE.name, show_envvar=True, type=click.Path(dir_okay=False),
+              default=None, help="Write HOST:PORT here once listening.")
+@click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
+              help="DEBUG, INFO or WARNING.")
+def start(**options) -> None:
     """Run dash-memd in the foreground until SIGTERM or SIGINT."""
-    setup_logging(PROGRAM, log_level)
-    host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
-    config = MemdConfig(
-        host=host, port=port, data_dir=Path(data_dir),
-        memory_limit=parse_size(memory_limit) if memory_limit else psutil.virtual_memory().total // 2,
-        token=read_token(token_file), keep_ram=keep_ram, keep_disk=keep_disk, s3=s3, keep_object=keep_object,
-        upload_queue=upload_queue,
-        max_connections=max_connections, auth_timeout=auth_timeout, idle_timeout=idle_timeout,
-        shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
-    )
-    sys.exit(run(config))
+    setup_logging(PROGRAM, options.pop("log_level"))
+    sys.exit(run(config_from_options(**options)))
 
 
 @cli.command()
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Where to write the new token.")
+@click.option("--out", envvar=env.TOKEN_OUT.name, show_envvar=True, required=True, type=click.Path(dir_okay=False),
+              help="Where to write the new token.")
 def token(out) -> None:
     """Create a new random cluster token, readable by its owner only."""
     write_token(out)
     click.echo(f"wrote a new token to {out}; copy it to every node and pass --token-file {out}")
 
 
+def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None, token_file: str, keep_ram: int,
+                        keep_disk: int, s3: str | None, keep_object: int, upload_queue: int, max_connections: int,
+                        auth_timeout: float, idle_timeout: float, shutdown_timeout: float,
+                        ready_file: str | None) -> MemdConfig:
+    """The options of ``dash-memd start`` as a config; raises UsageError."""
+    host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
+    return MemdConfig(
+        host=host, port=port, data_dir=Path(data_dir),
+        memory_limit=parse_size(memory_limit) if memory_limit else default_memory_limit(),
+        token=read_token(token_file), keep_ram=keep_ram, keep_disk=keep_disk, s3=s3, keep_object=keep_object,
+        upload_queue=upload_queue,
+        max_connections=max_connections, auth_timeout=auth_timeout, idle_timeout=idle_timeout,
+        shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
+    )
+
+
 def run(config: MemdConfig) -> int:
+    """Serve until SIGTERM or SIGINT, finish pending disk writes, and return the exit code."""
     from dashrun.memd.server import MemdServer
 
     try:

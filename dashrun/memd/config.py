@@ -1,15 +1,30 @@
-"""dash-memd's configuration: one frozen dataclass, validated once."""
+"""dash-memd's configuration: one frozen dataclass, validated once, and the default memory limit.
+
+The default ``--memory-limit`` is half of the memory this process may use:
+the smaller of the machine's RAM and its cgroup's (container's) memory limit,
+so that dash-memd in a container does not plan for RAM it would be killed
+for touching.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import psutil
+
 from dashrun.errors import UsageError
+
+__all__ = ["V1_UNLIMITED", "MemdConfig", "cgroup_memory_limit", "default_memory_limit"]
+
+#: A cgroup v1 limit at least this large is no limit (the kernel writes "unlimited" as a number near 2**63).
+V1_UNLIMITED = 1 << 60
 
 
 @dataclasses.dataclass(frozen=True)
 class MemdConfig:
+    """Everything dash-memd runs with; raises UsageError for values it cannot run with."""
+
     host: str
     port: int
     data_dir: Path
@@ -50,3 +65,58 @@ class MemdConfig:
             raise UsageError("--max-connections must be at least 1")
         if min(self.auth_timeout, self.idle_timeout) <= 0:
             raise UsageError("timeouts must be positive")
+
+
+def _read_limit(path: Path) -> int | None:
+    """The byte count in a cgroup limit file; None if absent, unreadable, "max" or not a number."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if not text.isdigit():
+        return None  # "max": no limit
+    return int(text)
+
+
+def cgroup_memory_limit(root: str | Path = "/") -> int | None:
+    """The memory limit of this process's cgroup in bytes, or None if it has none.
+
+    ``root`` is where the file system starts (``/``; a test points it at a
+    directory laid out like ``/proc`` and ``/sys/fs/cgroup``). cgroup v2: the
+    ``memory.max`` of the process's cgroup (``0::PATH`` in ``/proc/self/cgroup``)
+    and of its ancestors, "max" meaning none. cgroup v1: ``memory.limit_in_bytes``
+    of the process's memory cgroup and of the hierarchy's root (a container's
+    own cgroup is mounted there), huge values meaning none. The smallest
+    limit found wins.
+    """
+    root = Path(root)
+    fs = root / "sys/fs/cgroup"
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    found: list[int] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        parts = [p for p in path.split("/") if p and p not in (".", "..")]
+        if hierarchy == "0" and controllers == "":
+            for depth in range(len(parts), -1, -1):  # the process's cgroup, then its ancestors
+                limit = _read_limit(fs.joinpath(*parts[:depth], "memory.max"))
+                if limit is not None:
+                    found.append(limit)
+        elif "memory" in controllers.split(","):
+            limit = _read_limit(fs.joinpath("memory", *parts, "memory.limit_in_bytes"))
+            if limit is not None and limit < V1_UNLIMITED:
+                found.append(limit)
+    v1_root = _read_limit(fs / "memory/memory.limit_in_bytes")
+    if v1_root is not None and v1_root < V1_UNLIMITED:
+        found.append(v1_root)
+    return min(found, default=None)
+
+
+def default_memory_limit(root: str | Path = "/", *, host_total: int | None = None) -> int:
+    """Half of the smaller of the machine's RAM (``host_total``, else psutil's) and the cgroup's memory limit."""
+    total = psutil.virtual_memory().total if host_total is None else host_total
+    limit = cgroup_memory_limit(root)
+    return (total if limit is None else min(total, limit)) // 2

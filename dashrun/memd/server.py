@@ -29,14 +29,19 @@ from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import Kind, field_bool, field_float, field_int, field_job, field_step, field_str
 
+__all__ = ["LOCK_FILE", "MAX_WAIT", "MemdServer"]
+
 log = logging.getLogger(__name__)
 
 #: Longest a WAIT request may block.
 MAX_WAIT = 3600.0
+#: File in the data dir that a running dash-memd holds locked (and writes its pid to).
 LOCK_FILE = "LOCK"
 
 
 class MemdServer:
+    """dash-memd's listener, its connection threads, and the disk-writer and uploader threads."""
+
     def __init__(self, config: MemdConfig):
         self.config = config
         objects = None

@@ -2,13 +2,15 @@
 
 The staged bytes are written once and never read again by the rank: the agent
 reads them from the segment. An ordinary copy reads every destination line
-into the cache before writing it and evicts the training's own data; with
-non-temporal stores (dashrun's C helper ``dashrun.util._ntcopy``, built at install
-where a C compiler is present; x86-64 with SSE4.2) the copy costs the training
-core a quarter or more less CPU. The same loop computes the bytes' CRC-32C from
-the registers it copies through, so the rank hands over its shard with the
-checksum dash-memd verifies, and dash-agent makes no pass of its own over the
-segment. Elsewhere it is torch's ``copy_`` and the agent checksums as it sends.
+into the cache before writing it and evicts the training's own data. With
+non-temporal stores (dashrun's C helper ``dashrun.util._ntcopy``, built at
+install where a C compiler is present; x86-64 with SSE4.2) the copy writes
+around the cache: it neither reads the destination nor evicts the training's
+data, so the training core spends less CPU on it. The same loop computes the
+bytes' CRC-32C from the registers it copies through, so the rank hands over
+its shard with the checksum dash-memd verifies, and dash-agent makes no pass
+of its own over the segment. Elsewhere it is torch's ``copy_`` and the agent
+checksums as it sends.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ try:
     from dashrun.util import _ntcopy
 except ImportError:  # not built (no C compiler at install): torch's copy_ does the work
     _ntcopy = None
+
+__all__ = ["bytes_of", "copy_into", "crc_of", "streaming"]
 
 #: Whether copy_into streams and checksums with the helper (and so the rank hands over its checksum);
 #: tests and benchmarks may turn it off to compare.

@@ -24,10 +24,14 @@ import torch
 
 from dashrun.errors import UsageError
 
+__all__ = ["ALIGN", "align", "byte_view", "describe", "flatten", "materialize", "nbytes_of", "plan", "unflatten"]
+
+#: Every leaf starts at a multiple of this many bytes (a cache line), in the region and in each rank's slice.
 ALIGN = 64
 
 
 def align(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -93,6 +97,7 @@ def flatten(tree: Any) -> tuple[Any, list[Any]]:
 
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
+    """The tree :func:`flatten` made ``skeleton`` of, with ``leaves`` (by index) in place of its tensors."""
     def walk(node: Any) -> Any:
         if isinstance(node, list):
             return [walk(v) for v in node]
@@ -128,6 +133,7 @@ def _hashable(key: Any) -> Any:
 
 
 def nbytes_of(leaf: Any) -> int:
+    """The size in bytes of a leaf (a tensor or a numpy array)."""
     if isinstance(leaf, torch.Tensor):
         return leaf.numel() * leaf.element_size()
     return int(leaf.nbytes)

@@ -1,11 +1,12 @@
 /*
- * dashrun._ntcopy: the rank's staging copy with non-temporal (streaming) stores.
+ * dashrun.util._ntcopy: a copy with non-temporal (streaming) stores that checksums as it copies: the rank's
+ * staging copy, and dash-memd's move of received bytes from its landing buffer into its RAM buffers.
  *
  * A snapshot's bytes are written once into the shared-memory staging buffer and
  * never read again by the rank. An ordinary copy first reads every destination
  * line into the cache (a third more memory traffic) and evicts the training's own
- * data to make room; streaming stores do neither. On the build machine this takes
- * a 257 MiB staging copy from ~50 to ~33 ms of CPU on the training core.
+ * data to make room; streaming stores do neither (scripts/bench_staging.py
+ * measures what that saves the training core).
  *
  * The same loop computes the bytes' CRC-32C from the registers it copied them
  * through, in three independent chains whose results are combined: the checksum
@@ -183,7 +184,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "dashrun._ntcopy",
+    PyModuleDef_HEAD_INIT, "dashrun.util._ntcopy",
     "The staging copy with non-temporal stores (see dashrun.staging).", -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -11,6 +11,8 @@ import sys
 
 from dashrun.errors import DashError, ExitCode
 
+__all__ = ["report", "run_click", "setup_logging"]
+
 
 def setup_logging(program: str, level: str = "INFO") -> None:
     logging.basicConfig(

@@ -22,6 +22,8 @@ import signal
 
 from dashrun import env
 
+__all__ = ["crash_point"]
+
 _SPECS: dict[str, list[dict[str, str]]] = {}
 for _spec in filter(None, (env.get(env.CRASH_AT) or "").split(";")):
     _name, _, _conditions = _spec.strip().partition("@")

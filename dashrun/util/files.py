@@ -9,6 +9,8 @@ import os
 import secrets
 from pathlib import Path
 
+__all__ = ["fsync_dir", "populated", "unmap", "write_atomic", "write_new"]
+
 _CHUNK = 8 << 20
 #: Alignment O_DIRECT asks of addresses, lengths and offsets (the largest logical block size in use).
 _BLOCK = 4096

@@ -1,0 +1,11 @@
+"""The wire: the one framed, authenticated format every link speaks, and the clients built on it.
+
+``protocol`` (the frame: header, JSON body, data with its CRC-32C; field checks),
+``messages`` (shards, checkpoints, launch specs, notices), ``agent_messages``
+(rank <-> dash-agent), ``channel`` (frames over a socket), ``auth`` (the token
+handshake), ``memd_client`` (dash-memd's client), ``agent_link`` (a rank's
+link to its agent), ``image`` (a committed checkpoint laid out in one buffer).
+Nothing here imports torch.
+"""
+
+__all__: list[str] = []

@@ -20,8 +20,16 @@ from dashrun.errors import UnavailableError
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.protocol import Kind
 
+__all__ = ["AgentLink"]
+
 
 class AgentLink:
+    """A rank's one connection to its node's dash-agent, made on the first request and again after a loss.
+
+    Bodies are plain dicts: a typed message of :mod:`dashrun.wire.agent_messages`
+    goes as its ``to_body()``, and the reply's body is read with its ``from_body``.
+    """
+
     def __init__(self, path: str, *, connect_timeout: float = 5.0,
                  on_notice: Callable[[dict[str, Any]], None] | None = None):
         self.path = path

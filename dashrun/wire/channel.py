@@ -42,6 +42,8 @@ from dashrun.wire.protocol import (
     encode_header,
 )
 
+__all__ = ["Channel", "CHUNK", "Frame", "peer_on_this_machine", "YIELD_TO_LOCAL_PEER"]
+
 try:
     from dashrun.util import _ntcopy
 except ImportError:  # not built (no C compiler at install): data is received straight into its destination
@@ -56,10 +58,9 @@ CHUNK = 1 << 20
 #: After each chunk sent to a peer on this machine, yield the CPU. Where the
 #: peer shares the sender's core (dash-agent and a local dash-memd), it then
 #: takes each chunk while the chunk is still in cache, instead of after the
-#: sender has filled the socket buffers (megabytes, out of the L2): on one
-#: core of the 2-core build VM a 257 MiB shard went over in 10-15 % less time
-#: (``scripts/bench_stream.py``). With nothing else to run the yield returns at
-#: once; a peer on another machine is never yielded to, so a sender on a busy
+#: sender has filled the socket buffers (megabytes, out of the L2);
+#: ``scripts/bench_stream.py`` measures the difference. With nothing else to
+#: run the yield returns at once; a peer on another machine is never yielded to, so a sender on a busy
 #: node keeps its share of the CPU.
 YIELD_TO_LOCAL_PEER = True
 
@@ -219,9 +220,7 @@ class Channel:
         copy reads every destination line before writing it, then the CRC reads the chunk
         again. Landing in one reused chunk-sized buffer, the bytes stay in cache; the
         helper's copy writes them out without reading the destination and checksums
-        them as it goes: a 256 MiB shard went into dash-memd in 17 % less time (143 ->
-        119 ms) on one core of the 2-core build VM, the sender yielding after each
-        chunk (scripts/bench_stream.py).
+        them as it goes (``scripts/bench_stream.py`` compares both ways).
         """
         if self._landing is None:
             buf = populated(CHUNK)

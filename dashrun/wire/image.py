@@ -14,6 +14,8 @@ from typing import Any, Callable
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
+__all__ = ["fetch", "layout", "meta"]
+
 _ALIGN = 64
 
 

@@ -17,6 +17,8 @@ from dashrun.wire.channel import Channel
 from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import MAX_BYTES, Kind
 
+__all__ = ["MemdClient"]
+
 
 class MemdClient:
     def __init__(self, host: str, port: int, token: bytes, *, timeout: float = 60.0, connect_timeout: float = 5.0):

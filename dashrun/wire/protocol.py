@@ -36,6 +36,11 @@ import crc32c as _crc32c
 
 from dashrun.errors import ProtocolError
 
+__all__ = ["crc32c", "decode_body", "decode_header", "encode_body", "encode_header", "field_bool", "field_digest",
+           "field_float", "field_int", "field_job", "field_nonce", "field_step", "field_str", "Header", "HEADER",
+           "HEX_DIGEST", "Kind", "MAGIC", "MAX_BODY", "MAX_BODY_PREAUTH", "MAX_BYTES", "MAX_FDS", "MAX_STEP",
+           "MAX_WORLD", "TRAILER", "valid_job_id", "VERSION"]
+
 MAGIC = b"DASH"
 VERSION = 1
 HEADER = struct.Struct("!4sBBHIQI")

@@ -44,50 +44,40 @@ Credentials, region and endpoint come from the standard AWS chain
 an S3-compatible store. botocore retries every request (standard mode:
 connection errors, 5xx, throttling, with backoff); on top of that this tier
 retries a whole shard upload or download, so a multipart upload lost by the
-store is started afresh. Connect and read timeouts bound every request, so a
-dead store fails a call instead of hanging it.
+store is started afresh (:func:`dashrun.util.retry.retry`). Connect and read
+timeouts bound every request, so a dead store fails a call instead of hanging
+it. :mod:`.s3` sets up the client and says which errors are worth a retry.
 """
 
 from __future__ import annotations
 
-import base64
-import concurrent.futures as cf
 import contextlib
 import functools
-import io
 import json
 import logging
-import random
 import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
-import boto3
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
-from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
-from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, UnavailableError, UsageError
-from dashrun.memd.tiers import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
+from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError, UsageError
+from dashrun.memd.tiers import s3
+from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
+from dashrun.util.retry import Backoff, retry
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c, valid_job_id
+
+__all__ = ["CRC_METADATA", "LAYOUT", "LONGEST_PAUSE", "ObjectTier"]
 
 log = logging.getLogger(__name__)
 
 LAYOUT = "dashrun-v1"
 #: User metadata key (``x-amz-meta-dashrun-crc32c``): the object's CRC-32C as 8 hex digits.
 CRC_METADATA = "dashrun-crc32c"
-MIN_PART = 5 << 20  # S3's smallest part size (all parts but the last)
-MAX_PARTS = 10_000
-_READ_CHUNK = 1 << 20  # urllib3 copies through a temporary of the size asked for
-_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-                    "ServiceUnavailable", "NoSuchUpload", "BadDigest", "XAmzContentChecksumMismatch"}
-_NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+#: Longest pause between tries of a whole shard transfer, in seconds.
+LONGEST_PAUSE = 30.0
 
 T = TypeVar("T")
-
-
-class _StoredMismatch(ChecksumError):
-    """The store holds other bytes than were sent: worth uploading again."""
 
 
 class ObjectTier(Tier):
@@ -110,8 +100,10 @@ class ObjectTier(Tier):
                  read_timeout: float = 60.0, server_checksums: bool = True):
         if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
             raise UsageError(f"object store {url!r} is not of the form s3://bucket/prefix")
-        if part_size < MIN_PART or threshold < 1 or workers < 1 or attempts < 1:
-            raise UsageError(f"part size must be at least {MIN_PART} bytes; threshold, workers, attempts at least 1")
+        if part_size < s3.MIN_PART or threshold < 1 or workers < 1 or attempts < 1:
+            raise UsageError(f"part size must be at least {s3.MIN_PART} bytes; threshold, workers, attempts at least 1")
+        if backoff <= 0:
+            raise UsageError("the backoff between tries must be positive")
         self.bucket, _, prefix = url[5:].partition("/")
         self.prefix = prefix.strip("/")
         self.root = f"{self.prefix}/{LAYOUT}" if self.prefix else LAYOUT
@@ -119,9 +111,8 @@ class ObjectTier(Tier):
         self.part_size, self.threshold, self.workers = part_size, threshold, workers
         self.attempts, self.backoff, self.server_checksums = attempts, backoff, server_checksums
         #: The boto3 S3 client (thread-safe); every request of this tier goes through it.
-        self.client = boto3.session.Session().client("s3", config=Config(
-            connect_timeout=connect_timeout, read_timeout=read_timeout, tcp_keepalive=True,
-            retries={"mode": "standard", "total_max_attempts": request_attempts}, max_pool_connections=workers + 4))
+        self.client = s3.make_client(connect_timeout=connect_timeout, read_timeout=read_timeout,
+                                  request_attempts=request_attempts, connections=workers + 4)
 
     def close(self) -> None:
         self.client.close()
@@ -167,7 +158,7 @@ class ObjectTier(Tier):
             self._retry(f"upload {manifest_key}", functools.partial(self._upload, manifest_key, memoryview(body)))
         except BaseException:
             with contextlib.suppress(Exception):  # best effort: a store that is down keeps the orphans
-                self._delete_step(step_key, retry=False)
+                self._delete_step(step_key, retrying=False)
             raise
         log.debug("object tier: %s step %d uploaded (%d bytes in %.1fs)", info.job, info.step, info.nbytes,
                   time.monotonic() - started)
@@ -176,7 +167,7 @@ class ObjectTier(Tier):
         """One object, then a HEAD that shows the store holds exactly it."""
         crc = crc32c(view) if crc is None else crc
         if len(view) < self.threshold:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=_ViewReader(view),
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=s3.ViewReader(view),
                                    Metadata={CRC_METADATA: f"{crc:08x}"}, **self._checksum(crc))
         else:
             self._upload_multipart(key, view, crc)
@@ -184,16 +175,16 @@ class ObjectTier(Tier):
             head = self.client.head_object(Bucket=self.bucket, Key=key,
                                            **({"ChecksumMode": "ENABLED"} if self.server_checksums else {}))
         except ClientError as e:
-            if _code(e) not in _NOT_FOUND_CODES:
+            if s3.error_code(e) not in s3.NOT_FOUND_CODES:
                 raise
-            raise _StoredMismatch(f"s3://{self.bucket}/{key} vanished right after its upload") from None
+            raise s3.StoredMismatch(f"s3://{self.bucket}/{key} vanished right after its upload") from None
         stored = head.get("ChecksumCRC32C")
         if (head["ContentLength"] != len(view) or head.get("Metadata", {}).get(CRC_METADATA) != f"{crc:08x}"
-                or (stored and "-" not in stored and stored != _b64(crc))):
-            raise _StoredMismatch(f"s3://{self.bucket}/{key} holds other bytes than were uploaded")
+                or (stored and "-" not in stored and stored != s3.b64(crc))):
+            raise s3.StoredMismatch(f"s3://{self.bucket}/{key} holds other bytes than were uploaded")
 
     def _upload_multipart(self, key: str, view: memoryview, crc: int) -> None:
-        part = max(self.part_size, -(-len(view) // MAX_PARTS))
+        part = max(self.part_size, -(-len(view) // s3.MAX_PARTS))
         whole = {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"} if self.server_checksums else {}
         upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
                                                         Metadata={CRC_METADATA: f"{crc:08x}"}, **whole)["UploadId"]
@@ -201,14 +192,14 @@ class ObjectTier(Tier):
         def send(number: int, chunk: memoryview) -> dict:
             checksum = self._checksum(crc32c(chunk))
             reply = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                            Body=_ViewReader(chunk), **checksum)
+                                            Body=s3.ViewReader(chunk), **checksum)
             checksum.pop("ChecksumAlgorithm", None)
             return {"PartNumber": number, "ETag": reply["ETag"], **checksum}
 
         try:
-            parts = _run_all(self.workers, [functools.partial(send, number, view[start:start + part])
-                                            for number, start in enumerate(range(0, len(view), part), 1)])
-            done = {"ChecksumCRC32C": _b64(crc), "ChecksumType": "FULL_OBJECT"} if self.server_checksums else {}
+            parts = s3.run_all(self.workers, [functools.partial(send, number, view[start:start + part])
+                                              for number, start in enumerate(range(0, len(view), part), 1)])
+            done = {"ChecksumCRC32C": s3.b64(crc), "ChecksumType": "FULL_OBJECT"} if self.server_checksums else {}
             self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                   MultipartUpload={"Parts": parts}, **done)
         except BaseException:
@@ -218,7 +209,7 @@ class ObjectTier(Tier):
 
     def _checksum(self, crc: int) -> dict:
         # Given the value, botocore sends it as is: S3 checks it, and no awscrt is needed for CRC32C.
-        return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": _b64(crc)} if self.server_checksums else {}
+        return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": s3.b64(crc)} if self.server_checksums else {}
 
     def put_spec(self, spec: JobSpec, job: str) -> None:
         key = f"{self.job_key(job)}/{SPEC}"
@@ -234,8 +225,8 @@ class ObjectTier(Tier):
     def delete(self, job: str, step: int) -> None:
         self._delete_step(self.step_key(job, step))
 
-    def _delete_step(self, step_key: str, retry: bool = True) -> None:
-        call = self._retry if retry else (lambda what, fn: fn())
+    def _delete_step(self, step_key: str, retrying: bool = True) -> None:
+        call = self._retry if retrying else (lambda what, fn: fn())
         manifest_key = f"{step_key}/{MANIFEST}"
         # The manifest goes first: from then on the checkpoint is invisible, however far the rest gets.
         call(f"delete {manifest_key}", lambda: self.client.delete_object(Bucket=self.bucket, Key=manifest_key))
@@ -293,9 +284,9 @@ class ObjectTier(Tier):
         if len(target) < self.threshold:
             self._get(key, target, len(target))
         else:
-            _run_all(self.workers, [functools.partial(self._get, key, target[start:start + self.part_size],
-                                                      len(target), start)
-                                    for start in range(0, len(target), self.part_size)])
+            s3.run_all(self.workers, [functools.partial(self._get, key, target[start:start + self.part_size],
+                                                        len(target), start)
+                                      for start in range(0, len(target), self.part_size)])
 
     def _get(self, key: str, dest: memoryview, total: int, start: int | None = None) -> None:
         """Object ``key`` of ``total`` bytes into ``dest``: all of it, or ``len(dest)`` bytes from ``start``."""
@@ -308,7 +299,7 @@ class ObjectTier(Tier):
                                                Range=f"bytes={start}-{start + len(dest) - 1}")
                 size = int(reply["ContentRange"].rsplit("/", 1)[1])
         except ClientError as e:
-            if _code(e) == "InvalidRange":  # the object is shorter than the manifest says
+            if s3.error_code(e) == "InvalidRange":  # the object is shorter than the manifest says
                 raise ChecksumError(f"s3://{self.bucket}/{key} has the wrong size") from None
             raise
         with contextlib.closing(reply["Body"]) as body:
@@ -316,7 +307,7 @@ class ObjectTier(Tier):
                 raise ChecksumError(f"s3://{self.bucket}/{key} has the wrong size")
             got = 0
             while got < len(dest):
-                n = body.readinto(dest[got:got + _READ_CHUNK])
+                n = body.readinto(dest[got:got + s3.READ_CHUNK])
                 if not n:
                     raise IncompleteReadError(actual_bytes=got, expected_bytes=len(dest))
                 got += n
@@ -429,83 +420,17 @@ class ObjectTier(Tier):
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()``, tried again after transient failures; store errors come out as DashErrors."""
-        attempt = 1
-        while True:
-            try:
-                return fn()
-            except Exception as e:
-                if attempt < self.attempts and _transient(e):
-                    delay = min(self.backoff * 2 ** (attempt - 1), 30.0) * random.uniform(0.5, 1.0)
-                    log.warning("object tier: %s failed (%s); retrying in %.1fs", what, e, delay)
-                    time.sleep(delay)
-                    attempt += 1
-                    continue
-                if isinstance(e, DashError) or not isinstance(e, (BotoCoreError, ClientError)):
-                    raise
-                if isinstance(e, ClientError) and _code(e) in _NOT_FOUND_CODES:
-                    raise NotFoundError(f"s3://{self.bucket}: {what}: not found") from e
-                raise UnavailableError(f"object store s3://{self.bucket}: {what} failed: {e}",
-                                       hint="check the endpoint, the bucket and the credentials") from e
+        def warn(e: BaseException, pause: float) -> None:
+            log.warning("object tier: %s failed (%s); retrying in %.1fs", what, e, pause)
 
-
-def _code(error: ClientError) -> str:
-    return str(error.response.get("Error", {}).get("Code", ""))
-
-
-def _transient(e: BaseException) -> bool:
-    if isinstance(e, (_StoredMismatch, BotoConnectionError, HTTPClientError, IncompleteReadError)):
-        return True
-    if isinstance(e, ClientError):
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return status >= 500 or status == 429 or _code(e) in _TRANSIENT_CODES
-    return False
-
-
-def _b64(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
-def _run_all(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
-    """Run ``tasks`` on up to ``workers`` threads; their results in order.
-
-    After the first failure no further task starts; the running ones finish
-    (so nothing is still sending when the caller aborts), then it is raised.
-    """
-    with cf.ThreadPoolExecutor(max_workers=max(1, min(workers, len(tasks))), thread_name_prefix="dash-s3") as pool:
-        futures = [pool.submit(task) for task in tasks]
-        cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-        for future in futures:
-            future.cancel()
-    for future in futures:
-        if not future.cancelled() and future.exception() is not None:
-            raise future.exception()
-    return [future.result() for future in futures]
-
-
-class _ViewReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview: botocore takes files, not views, and a copy of each
-    64 MiB part would double the memory an upload needs. Seekable, so botocore can rewind it to retry."""
-
-    def __init__(self, view: memoryview):
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        b[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
+        try:
+            return retry(fn, on=Exception, backoff=Backoff(min(self.backoff, LONGEST_PAUSE), LONGEST_PAUSE),
+                         attempts=self.attempts, giving_up=lambda e: not s3.transient(e), on_retry=warn)
+        except ClientError as e:
+            if s3.error_code(e) in s3.NOT_FOUND_CODES:
+                raise NotFoundError(f"s3://{self.bucket}: {what}: not found") from e
+            raise UnavailableError(f"object store s3://{self.bucket}: {what} failed: {e}",
+                                   hint="check the endpoint, the bucket and the credentials") from e
+        except BotoCoreError as e:
+            raise UnavailableError(f"object store s3://{self.bucket}: {what} failed: {e}",
+                                   hint="check the endpoint, the bucket and the credentials") from e

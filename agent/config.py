@@ -1,0 +1,46 @@
+"""dash-agent's configuration: one frozen dataclass, built by the command line (or a test) and read by the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+
+from dashrun.env import PreemptionRecord
+from dashrun.wire.memd_client import MemdClient
+
+__all__ = ["AgentConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    memd_host: str
+    memd_port: int
+    token: bytes = dataclasses.field(repr=False)
+    socket_path: Path = Path("agent.sock")
+    #: seconds one request to dash-memd may stay silent before it counts as lost
+    memd_timeout: float = 60.0
+    #: seconds a fetched restore image is kept for the node's other ranks
+    restore_ttl: float = 120.0
+    #: seconds to finish handed-over shards on SIGTERM
+    drain_timeout: float = 60.0
+    #: this node's name, as dash-memd lists it among the job's nodes
+    node: str = dataclasses.field(default_factory=socket.gethostname)
+    #: the job this agent serves (its notices are recorded on it in dash-memd)
+    job: str | None = None
+    #: where interruption notices come from: auto, aws, gcp, azure or none; and an endpoint override
+    cloud: str = "none"
+    metadata_endpoint: str | None = None
+    #: seconds between polls of the metadata service (None: each cloud's own default)
+    poll_interval: float | None = None
+    #: the launcher's pid: once it is gone the agent delivers what was handed over and exits (None: never)
+    parent_pid: int | None = None
+
+    @property
+    def preempted_file(self) -> Path:
+        """Written when this node must stop: its notice arrived, or its ranks took an emergency checkpoint."""
+        return self.socket_path.parent / PreemptionRecord.FILE
+
+    def memd_client(self) -> MemdClient:
+        """A new client of dash-memd (the caller closes it)."""
+        return MemdClient(self.memd_host, self.memd_port, self.token, timeout=self.memd_timeout)

@@ -1,0 +1,291 @@
+"""One rank's connection to dash-agent, and the sender that streams its shards to dash-memd.
+
+A rank hands over a staged shard by sending a SNAPSHOT frame with the
+shared-memory segment's file descriptor attached (SCM_RIGHTS): the bytes
+never pass through the socket. Each rank connection has its own sender
+thread and its own connection to dash-memd, which streams the segment
+straight from the agent's mapping of it (memoryview sends, no copy in user
+space; ``sendfile`` gains nothing on loopback) and answers the rank —
+"your buffer may be reused" — once dash-memd has stored and verified the
+shard. The checksum dash-memd verifies is the rank's, computed as it staged
+(sent with its last PROGRESS), so the agent makes no pass of its own over
+the bytes; a rank without dashrun's C helper leaves it to the agent. The
+agent holds its own descriptor of the segment, so a shard handed over is
+still delivered if its rank dies right after.
+
+The frames and their bodies are :mod:`dashrun.wire.agent_messages`; each
+request's ``id`` is read here and repeated in its reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import queue
+import socket
+import threading
+from typing import Any, Protocol
+
+from dashrun.agent.config import AgentConfig
+from dashrun.agent.restores import RestoreCache
+from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.util.files import unmap
+from dashrun.wire.agent_messages import (
+    Progress,
+    RestoreReply,
+    RestoreRequest,
+    SnapshotReply,
+    SnapshotRequest,
+    WaitReply,
+    WaitRequest,
+)
+from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import Notice, ShardHeader
+from dashrun.wire.protocol import MAX_STEP, Kind, field_int
+
+__all__ = ["STAGING_TIMEOUT", "Agent", "RankConnection", "SegmentMaps", "Staged"]
+
+log = logging.getLogger(__name__)
+
+#: Longest a handed-over shard may wait for its rank's next staging progress.
+STAGING_TIMEOUT = 300.0
+
+
+class Agent(Protocol):
+    """What a rank's connection needs of the agent that accepted it (:class:`dashrun.agent.service.AgentServer`)."""
+
+    config: AgentConfig
+    restores: RestoreCache
+    #: the most serious interruption notice this node received, if any
+    notice: Notice | None
+
+    def report_failure(self, job: str, err: DashError) -> None:
+        """A shard of ``job`` could not be delivered."""
+
+    def emergency_stored(self, header: ShardHeader) -> None:
+        """An emergency snapshot's shard is stored in dash-memd."""
+
+
+@dataclasses.dataclass
+class Staged:
+    """A shard a rank handed over, readable in the agent's mapping of its segment, perhaps still being staged."""
+
+    request_id: int
+    header: ShardHeader
+    view: memoryview
+    ready: int  # bytes [0, ready) of the shard are final
+    emergency: bool = False  # taken because of an interruption notice
+    checksum: bool = False  # the rank computes the shard's CRC-32C as it stages and sends it when done
+    crc: int | None = None
+    failed: bool = False
+    cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+
+    def advance(self, ready: int | None = None, failed: bool = False, crc: int | None = None) -> None:
+        with self.cond:
+            if ready is not None:
+                self.ready = max(self.ready, min(ready, self.header.nbytes))
+            if crc is not None:
+                self.crc = crc
+            self.failed = self.failed or failed
+            self.cond.notify_all()
+
+    def rank_crc(self) -> int:
+        """The rank's checksum of the whole shard, once it has staged it (dash-memd verifies it)."""
+        self.wait_ready(self.header.nbytes)
+        with self.cond:
+            if self.crc is None:
+                raise ProtocolError("the rank staged its shard without the checksum it announced")
+            return self.crc
+
+    def wait_ready(self, end: int) -> None:
+        """Block until the shard's first ``end`` bytes are final; raise if the rank gave up or went away."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.ready >= end or self.failed, timeout=STAGING_TIMEOUT)
+            if self.ready < end:
+                raise UnavailableError("the rank stopped before its snapshot was staged")
+
+
+class SegmentMaps:
+    """The agent's read-only mappings of a rank's staging segments, kept while the rank reuses them.
+
+    A rank alternates between two segments; mapping each once avoids
+    faulting its pages in again for every checkpoint.
+    """
+
+    KEEP = 2
+
+    def __init__(self):
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+
+    def view(self, fd: int, nbytes: int) -> memoryview:
+        st = os.fstat(fd)
+        if st.st_size < nbytes:
+            raise ProtocolError("the segment is smaller than the shard it should hold")
+        key = (st.st_dev, st.st_ino)
+        mapped = self._maps.pop(key, None)
+        if mapped is None or len(mapped) != st.st_size:
+            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        self._maps[key] = mapped  # most recently used last
+        while len(self._maps) > self.KEEP:
+            unmap(self._maps.pop(next(iter(self._maps))))
+        return memoryview(mapped)[:nbytes]
+
+    def close(self) -> None:
+        for mapped in self._maps.values():
+            unmap(mapped)
+        self._maps.clear()
+
+
+class RankConnection:
+    """One rank's connection: a reader (this thread), a sender thread, helpers for slow requests."""
+
+    def __init__(self, agent: Agent, sock: socket.socket):
+        self.agent = agent
+        self.ch = Channel(sock)
+        self._send_lock = threading.Lock()
+        self._snapshots: queue.Queue[Staged | None] = queue.Queue()
+        self._staging: dict[int, Staged] = {}
+        self._maps = SegmentMaps()
+        self.sender = threading.Thread(target=self._send_loop, name="agent-sender", daemon=True)
+        self.who = "rank ?"
+
+    def reply(self, request_id: Any, body: dict[str, Any] | None = None, fds=()) -> None:
+        with self._send_lock:
+            try:
+                self.ch.send(Kind.OK, {**(body or {}), "id": request_id}, fds=fds)
+            except UnavailableError:
+                pass  # the rank is gone; nothing to tell it
+
+    def reply_error(self, request_id: Any, err: BaseException) -> None:
+        with self._send_lock:
+            try:
+                self.ch.send_error(err, id=request_id)
+            except UnavailableError:
+                pass
+
+    def send_notice(self, notice: Notice) -> None:
+        with self._send_lock:
+            try:
+                self.ch.send(Kind.NOTICE, notice.to_body())
+            except UnavailableError:
+                pass
+
+    def finish(self) -> None:
+        """Take no more snapshots: the sender ends once it has delivered those already handed over."""
+        self._snapshots.put(None)
+
+    def wait_finished(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the sender to end (after :meth:`finish`)."""
+        if self.sender.is_alive():
+            self.sender.join(timeout=timeout)
+
+    def serve(self) -> None:
+        self.sender.start()
+        if self.agent.notice is not None:
+            self.send_notice(self.agent.notice)  # a rank that (re)connects after the notice learns it now
+        try:
+            while True:
+                frame = self.ch.recv()
+                try:
+                    self._dispatch(frame)
+                finally:
+                    frame.close_fds()
+        except UnavailableError:
+            pass  # the rank exited or died: shards it had fully staged are still delivered
+        except ProtocolError as e:
+            log.warning("%s: %s", self.who, e)
+        finally:
+            for staged in list(self._staging.values()):
+                staged.advance(failed=True)  # a shard its rank never finished staging must not go out
+            self._snapshots.put(None)
+
+    def _dispatch(self, frame: Frame) -> None:
+        request_id = field_int(frame.body, "id", 0, MAX_STEP)
+        if frame.kind == Kind.SNAPSHOT:
+            if len(frame.fds) != 1:
+                raise ProtocolError("SNAPSHOT needs exactly one segment descriptor")
+            try:
+                request = SnapshotRequest.from_body(frame.body)
+                view = self._maps.view(frame.fds[0], request.shard.nbytes)
+            except ProtocolError as e:
+                self.reply_error(request_id, e)
+                return
+            self.who = f"{request.shard.job} rank {request.shard.rank}"
+            staged = Staged(request_id, request.shard, view, request.ready, emergency=request.emergency,
+                            checksum=request.checksum)
+            self._staging[request_id] = staged
+            self._snapshots.put(staged)
+        elif frame.kind == Kind.PROGRESS:
+            staged = self._staging.get(request_id)
+            if staged is not None:
+                progress = Progress.from_body(frame.body, staged.header.nbytes)
+                staged.advance(progress.ready, progress.failed, progress.crc)
+        elif frame.kind == Kind.RESTORE:
+            threading.Thread(target=self._restore, args=(request_id, frame.body), daemon=True).start()
+        elif frame.kind == Kind.WAIT:
+            threading.Thread(target=self._wait, args=(request_id, frame.body), daemon=True).start()
+        elif frame.kind == Kind.PING:
+            self.reply(request_id, {"pid": os.getpid()})
+        else:
+            raise ProtocolError(f"unexpected {frame.kind.name}")
+
+    def _send_loop(self) -> None:
+        client = self.agent.config.memd_client()
+        try:
+            while (staged := self._snapshots.get()) is not None:
+                try:
+                    result = self._put_with_retry(client, staged)
+                    reply = SnapshotReply(committed=bool(result.get("committed")), crc=result.get("crc"))
+                    self.reply(staged.request_id, reply.to_body())
+                    if staged.emergency:
+                        self.agent.emergency_stored(staged.header)
+                except DashError as e:
+                    if not staged.failed:
+                        self.agent.report_failure(staged.header.job, e)
+                    self.reply_error(staged.request_id, e)
+                finally:
+                    self._staging.pop(staged.request_id, None)
+                    staged.view.release()
+        finally:
+            client.close()
+            self._maps.close()
+
+    def _put_with_retry(self, client: MemdClient, staged: Staged) -> dict[str, Any]:
+        def put() -> dict[str, Any]:
+            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=self.agent.config.node,
+                                    crc=staged.rank_crc if staged.checksum else None)
+        try:
+            return put()
+        except UnavailableError:
+            if staged.failed:
+                raise
+            # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
+            return put()
+
+    def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
+        try:
+            request = RestoreRequest.from_body(body)
+            image = self.agent.restores.get(request.job, request.step)
+            if image is None:
+                self.reply(request_id, RestoreReply(found=False).to_body())
+            else:
+                reply = RestoreReply(found=True, checkpoint=image.info, tails=tuple(image.tails))
+                self.reply(request_id, reply.to_body(), fds=[image.fd])
+                self.agent.restores.handed_out(image, request.local_ranks)
+        except DashError as e:
+            self.reply_error(request_id, e)
+        except Exception as e:
+            log.exception("restore failed")
+            self.reply_error(request_id, e)
+
+    def _wait(self, request_id: Any, body: dict[str, Any]) -> None:
+        try:
+            request = WaitRequest.from_body(body)
+            with self.agent.config.memd_client() as client:
+                committed = client.wait(request.job, request.step, request.timeout)
+            self.reply(request_id, WaitReply(committed).to_body())
+        except DashError as e:
+            self.reply_error(request_id, e)

@@ -1,0 +1,205 @@
+"""dashrun's command line: torchrun's parser with dashrun's options, and the checks both launch paths share.
+
+The parser is torch's own ``torchrun`` parser (every torchrun flag keeps its
+meaning, spellings and ``PET_*`` twin) with dashrun's options added, each
+with a ``DASH_*`` twin (:mod:`dashrun.env`). How each option is spelled is
+written once, in :data:`NAMES`: the full parser is built from it, and so is
+the fan-out's small parser of the options it decides for every host.
+
+The single-node launcher (:mod:`dashrun.launch.launcher`) and the SSH fan-out
+(:mod:`dashrun.launch.fanout`) both import this module and never each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import os
+import re
+import uuid
+from pathlib import Path
+
+from dashrun import env
+from dashrun.env import DEFAULT_PORT
+from dashrun.errors import UsageError
+from dashrun.util.tokens import read_token
+from dashrun.util.units import parse_address
+from dashrun.version import __version__
+from dashrun.wire.protocol import valid_job_id
+
+__all__ = [
+    "NAMES", "LaunchOptions", "OptionName", "apply_torchrun_defaults", "build_parser", "derive_job_id",
+    "job_id_from_args", "max_nodes", "memd_address", "options_from_args", "require_shared_memd",
+    "require_token_file",
+]
+
+MEMD_HINT = "start one with 'dash-memd start' on a stable VM and pass --memd HOST:PORT"
+TOKEN_HINT = "the file with the token dash-memd was started with"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionName:
+    """How an option is spelled on the command line: its strings, its dest, and whether it takes a value."""
+
+    dest: str
+    strings: tuple[str, ...]
+    action: str = "store"  # "store": one value; "store_true": a flag
+
+    def add_to(self, container, **kwargs) -> argparse.Action:
+        """Add this option to a parser or an argument group; ``kwargs`` as for ``add_argument``."""
+        return container.add_argument(*self.strings, dest=self.dest, action=self.action, **kwargs)
+
+
+#: Every option the launch paths name, by dest: dashrun's own, and the torchrun ones the fan-out decides for
+#: every host (spelled as torch's parser spells them).
+NAMES: dict[str, OptionName] = {name.dest: name for name in (
+    OptionName("memd", ("--memd",)),
+    OptionName("token_file", ("--token-file", "--token_file")),
+    OptionName("job_id", ("--job-id", "--job_id")),
+    OptionName("fresh", ("--fresh",), "store_true"),
+    OptionName("cloud", ("--cloud",)),
+    OptionName("metadata_endpoint", ("--metadata-endpoint", "--metadata_endpoint")),
+    OptionName("poll_interval", ("--poll-interval", "--poll_interval")),
+    OptionName("hostfile", ("--hostfile",)),
+    OptionName("ssh_config", ("--ssh-config", "--ssh_config")),
+    OptionName("remote_python", ("--remote-python", "--remote_python")),
+    # torchrun's
+    OptionName("nnodes", ("--nnodes",)),
+    OptionName("node_rank", ("--node-rank", "--node_rank")),
+    OptionName("nproc_per_node", ("--nproc-per-node", "--nproc_per_node")),
+    OptionName("rdzv_backend", ("--rdzv-backend", "--rdzv_backend")),
+    OptionName("rdzv_endpoint", ("--rdzv-endpoint", "--rdzv_endpoint")),
+    OptionName("rdzv_id", ("--rdzv-id", "--rdzv_id")),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """dashrun's own options; the torchrun ones stay in torch's namespace."""
+
+    memd: tuple[str, int] | None  # None: a private dash-memd on loopback
+    token_file: Path | None
+    job_id: str
+    fresh: bool = False
+    cloud: str = "auto"
+    metadata_endpoint: str | None = None
+    poll_interval: float | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser, with dashrun's options added (same habits: both spellings, env twins)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "dashrun"
+    parser.description = ("Launch a PyTorch training script like torchrun, with its state checkpointed to "
+                          "dash-memd and resumed after preemption.")
+    parser.epilog = ("commands: dashrun {resume,status,ls,export,gc,rm} --help. "
+                     "Exit codes: 0 done, 1 training failed, 2 usage error, 75 preempted (relaunch to resume).")
+    # An option, not a command: argparse acts on it as it meets it, before it asks for the script.
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    group = parser.add_argument_group("dashrun")
+    NAMES["memd"].add_to(group, default=env.get(env.MEMD), metavar="HOST:PORT",
+                         help=f"dash-memd to checkpoint to (env {env.MEMD.name}; default: a private one on "
+                              "loopback, with its data under ~/.cache/dashrun).")
+    NAMES["token_file"].add_to(group, default=env.get(env.TOKEN_FILE), metavar="FILE",
+                               help=f"file with the cluster's token, needed with --memd (env {env.TOKEN_FILE.name}).")
+    NAMES["job_id"].add_to(group, default=env.get(env.JOB_ID), metavar="ID",
+                           help=f"the job's stable id: relaunching with the same id resumes (env {env.JOB_ID.name}; "
+                                "default: derived from the script's absolute path and its arguments).")
+    NAMES["fresh"].add_to(group, default=env.get(env.FRESH, "0") == "1",
+                          help=f"delete the job's earlier checkpoints and start from step 0 (env {env.FRESH.name}=1).")
+    NAMES["cloud"].add_to(group, default=env.get(env.CLOUD, "auto"), choices=("auto", "aws", "gcp", "azure", "none"),
+                          help=f"where Spot interruption notices come from (env {env.CLOUD.name}; default auto: "
+                               "detect quickly, none when no metadata service answers).")
+    NAMES["metadata_endpoint"].add_to(group, default=env.get(env.METADATA_ENDPOINT), metavar="URL",
+                                      help=f"base URL of the cloud's metadata service (env "
+                                           f"{env.METADATA_ENDPOINT.name}; AWS_EC2_METADATA_SERVICE_ENDPOINT and "
+                                           "GCE_METADATA_HOST work too).")
+    NAMES["poll_interval"].add_to(group, type=float, default=env.get(env.POLL_INTERVAL), metavar="SECONDS",
+                                  help=f"seconds between metadata polls (env {env.POLL_INTERVAL.name}; "
+                                       "default: each cloud's).")
+    NAMES["hostfile"].add_to(group, default=env.get(env.HOSTFILE), metavar="FILE",
+                             help=f"start dashrun on every host of FILE ('HOST slots=N' per line) over SSH, with "
+                                  f"--nnodes, --nproc-per-node and a c10d rendezvous on the first host decided for "
+                                  f"each (env {env.HOSTFILE.name}).")
+    NAMES["ssh_config"].add_to(group, default=env.get(env.SSH_CONFIG), metavar="FILE",
+                               help=f"OpenSSH client config for --hostfile: HostName, Port, User, IdentityFile, "
+                                    f"UserKnownHostsFile (env {env.SSH_CONFIG.name}; default ~/.ssh/config).")
+    NAMES["remote_python"].add_to(group, default=env.get(env.REMOTE_PYTHON), metavar="PATH",
+                                  help=f"Python that runs dashrun on the hosts of --hostfile (env "
+                                       f"{env.REMOTE_PYTHON.name}; default: this one's path).")
+    return parser
+
+
+def derive_job_id(script: str, script_args: list[str]) -> str:
+    """A job id stable across relaunches of the same command: ``<script stem>-<hash of path and args>``."""
+    identity = "\0".join([os.path.abspath(script), *script_args])
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(script).stem).lstrip("._-")[:64] or "job"
+    return f"{stem}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+
+
+# --- checks both launch paths make, each in the order its path makes them -----------------
+
+
+def job_id_from_args(args: argparse.Namespace) -> str:
+    """``--job-id``, or the one derived from the script and its arguments; UsageError if it is not valid."""
+    job_id = args.job_id or derive_job_id(args.training_script, args.training_script_args)
+    if not valid_job_id(job_id):
+        raise UsageError(f"--job-id {job_id!r} is not a valid job id",
+                         hint="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit")
+    return job_id
+
+
+def require_shared_memd(args: argparse.Namespace, count: int, what: str) -> None:
+    """A job on ``count`` > 1 nodes (``what``: "nodes", "hosts") needs a --memd they all reach."""
+    if args.memd is None and count > 1:
+        raise UsageError(f"a job on several {what} needs a dash-memd they all reach", hint=MEMD_HINT)
+
+
+def require_token_file(args: argparse.Namespace, where: str = "") -> None:
+    """--memd needs --token-file; ``where`` ends the hint (where the file must be)."""
+    if args.memd is not None and args.token_file is None:
+        raise UsageError("--memd needs --token-file", hint=TOKEN_HINT + where)
+
+
+def memd_address(value: str) -> tuple[str, int]:
+    return parse_address(value, default_port=DEFAULT_PORT, what="--memd")
+
+
+def max_nodes(args: argparse.Namespace) -> int:
+    """The most nodes ``--nnodes`` (``N`` or ``MIN:MAX``) allows."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    return parse_min_max_nnodes(args.nnodes)[1]
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """dashrun's options of a launch on this node, checked; the token file is read now, to fail in one line."""
+    job_id = job_id_from_args(args)
+    if args.memd is None:
+        require_shared_memd(args, max_nodes(args), "nodes")
+        return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
+                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval)
+    require_token_file(args)
+    token_file = Path(args.token_file)
+    read_token(token_file)  # fail now, in one line, not later in the agent
+    return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,
+                         cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
+                         poll_interval=args.poll_interval)
+
+
+def apply_torchrun_defaults(args: argparse.Namespace) -> None:
+    """The pre-processing ``torch.distributed.run.run()`` applies before ``config_from_args``."""
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        if max_nodes(args) == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500

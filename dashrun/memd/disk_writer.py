@@ -1,0 +1,107 @@
+"""The disk writer: committed checkpoints go from RAM to the disk tier, in commit order, one at a time.
+
+A checkpoint is written from its RAM buffers, pinned meanwhile. Once on disk
+it advances to ON_DISK, the job's older disk and RAM copies are trimmed, and
+(with an object tier) it is queued for upload. A checkpoint replaced or
+superseded before its turn is skipped. A failed write leaves the checkpoint
+in RAM and the previous one on disk valid; the failure is logged once and
+shown on the job until a write of that job works again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+from dashrun.memd.entry import Entry, State
+from dashrun.memd.ledger import Ledger
+from dashrun.memd.retention import Retention
+from dashrun.memd.tiers import DiskTier
+from dashrun.memd.uploader import Uploader
+from dashrun.util.problems import ProblemLog
+
+__all__ = ["DiskWriter"]
+
+log = logging.getLogger(__name__)
+
+
+class DiskWriter:
+    """Writes what :meth:`submit` hands it; :meth:`persist_next` runs on dash-memd's disk-writer thread."""
+
+    def __init__(self, ledger: Ledger, disk: DiskTier, retention: Retention, uploader: Uploader | None = None):
+        self.ledger = ledger
+        self.disk = disk
+        self.retention = retention
+        self.uploader = uploader
+        self.queue: queue.Queue[Entry] = queue.Queue()
+        self.failures: dict[str, str] = {}   # job -> why its last disk write failed
+        self.problems = ProblemLog(log)
+
+    def submit(self, entry: Entry) -> None:
+        """Queue a just-committed checkpoint for the disk."""
+        self.queue.put(entry)
+
+    def pending(self) -> int:
+        return self.queue.qsize()
+
+    def failure(self, job: str) -> str | None:
+        """Why the last disk write of ``job`` failed, if none has worked since."""
+        return self.failures.get(job)
+
+    def forget_job(self, job: str) -> None:
+        """Under the ledger's lock: ``job`` is deleted."""
+        self.failures.pop(job, None)
+        self.problems.forget(job)
+
+    def persist_next(self, timeout: float) -> bool:
+        """Write the next committed checkpoint to disk. False if none arrived within ``timeout``."""
+        try:
+            entry = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        ledger = self.ledger
+        with ledger.cond:
+            if entry.dropped or "ram" not in entry.tiers or self.retention.safe_without_ram(entry):
+                return True  # replaced, or superseded by a newer checkpoint already on disk
+            entry.readers += 1
+            views = [memoryview(entry.buffers[r])[:entry.shards[r].nbytes] for r in range(entry.world)]
+        written = False
+        try:
+            self.disk.put(entry.info, views)
+            written = True
+        except OSError as e:
+            reason = e.strerror or str(e)
+            self.problems.problem(entry.job, reason, "%s step %d: disk write failed (%s); it stays in RAM, the "
+                                  "previous checkpoint on disk stays valid", entry.job, entry.step, reason,
+                                  level=logging.ERROR)
+            with ledger.cond:
+                self.failures[entry.job] = reason
+        finally:
+            for view in views:
+                view.release()
+            with ledger.cond:
+                entry.readers -= 1
+                doomed = []
+                next_shards = []
+                works = written and not entry.dropped
+                if works:
+                    next_shards = [shard.nbytes for shard in entry.info.shards]
+                    self.failures.pop(entry.job, None)
+                    entry.tiers.add("disk")
+                    entry.advance(State.ON_DISK)
+                    doomed = self.retention.trim_disk(entry.job)
+                    self.retention.trim_ram(entry.job)
+                    if self.uploader is not None:
+                        self.uploader.queue_upload(entry)
+                elif entry.dropped and entry.readers == 0 and "ram" in entry.tiers:
+                    ledger.release_ram(entry)
+                ledger.cond.notify_all()
+        if works:
+            self.problems.ok(entry.job, "%s: disk writes work again", entry.job)
+        for old in doomed:
+            self.disk.delete(old.job, old.step)
+            log.info("%s step %d: deleted from disk (keeping the newest %d)", old.job, old.step,
+                     self.retention.keep_disk)
+        # The job's next checkpoint will have shards of about these sizes: have its buffers touched by then.
+        self.ledger.ram.prewarm(next_shards)
+        return True

@@ -1,0 +1,54 @@
+"""The catalogue's shared bookkeeping: which checkpoints exist, under one condition variable.
+
+The catalogue, its retention, its disk writer and its uploader all read and
+change these records, always holding :attr:`Ledger.cond`; bytes move outside
+it. A checkpoint being read is pinned (``Entry.readers``) and its RAM is never
+released under the reader.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dashrun.memd.entry import Entry
+from dashrun.memd.tiers import RamTier
+from dashrun.wire.messages import JobSpec
+
+__all__ = ["Ledger"]
+
+
+class Ledger:
+    """Checkpoints being received, committed checkpoints per job, and the jobs' launch specs.
+
+    Every method runs with :attr:`cond` held by the caller.
+    """
+
+    def __init__(self, ram: RamTier):
+        self.ram = ram
+        #: Guards everything here and in the parts that share this ledger; notified on every change.
+        self.cond = threading.Condition()
+        self.receiving: dict[tuple[str, int], Entry] = {}
+        self.committed: dict[str, dict[int, Entry]] = {}
+        self.specs: dict[str, JobSpec] = {}
+
+    def drop_receiving(self, entry: Entry) -> None:
+        """Abandon a checkpoint still being received and free what of it arrived."""
+        self.receiving.pop((entry.job, entry.step), None)
+        entry.dropped = True
+        for buffer in entry.buffers.values():
+            self.ram.release(buffer)
+        entry.buffers.clear()
+
+    def forget(self, entry: Entry) -> None:
+        """Remove a committed entry from the catalogue; its RAM goes back once no one reads it."""
+        self.committed.get(entry.job, {}).pop(entry.step, None)
+        entry.dropped = True
+        if "ram" in entry.tiers and entry.readers == 0:
+            self.release_ram(entry)
+
+    def release_ram(self, entry: Entry) -> None:
+        """Give an entry's RAM copy back to the RAM tier's pool."""
+        entry.tiers.discard("ram")
+        for buffer in self.ram.detach(entry.job, entry.step, [entry.buffers[r] for r in sorted(entry.buffers)]):
+            self.ram.release(buffer)
+        entry.buffers.clear()

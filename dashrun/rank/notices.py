@@ -1,0 +1,120 @@
+"""Interruption notices on the rank side: recorded as the agent pushes them, agreed on by every rank each step.
+
+The node's dash-agent pushes a :class:`~dashrun.wire.messages.Notice` to its
+ranks when the cloud announces that the VM goes away (or warns early). Only
+the ranks of that node hear it, yet every rank of the job must take the
+emergency checkpoint of the same step: :meth:`NoticeBoard.agree`, called by
+each ``save()``, all-reduces every rank's notice asynchronously and reads the
+result of the previous step's all-reduce, so the ranks agree one step late
+without waiting on the network. :class:`Agreement` says what to do about it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dashrun.errors import DashError
+from dashrun.wire.messages import Notice
+
+__all__ = ["EMERGENCY_MARGIN", "EMERGENCY_TIMEOUT", "Agreement", "NoticeBoard", "in_process_group"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds before a notice's deadline by which the emergency checkpoint must be committed, and how
+#: long one waits for it when the deadline is unknown.
+EMERGENCY_MARGIN = 2.0
+EMERGENCY_TIMEOUT = 120.0
+_NO_DEADLINE = 1e18
+
+
+def in_process_group() -> bool:
+    """Whether torch.distributed is initialised, so the ranks can agree with collectives."""
+    return dist.is_available() and dist.is_initialized()
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """The most serious notice any rank of the job had (``level``: 0, Notice.EARLY or Notice.PREEMPT)."""
+
+    level: int = 0
+    deadline: float | None = None  # epoch seconds, when a notice that the node goes away gave one
+
+    @property
+    def emergency(self) -> bool:
+        """A node of the job goes away: take the emergency checkpoint now, then stop."""
+        return self.level >= Notice.PREEMPT
+
+    @property
+    def early(self) -> bool:
+        """An early warning (or worse): checkpoint more often."""
+        return self.level >= Notice.EARLY
+
+    def commit_budget(self) -> float:
+        """How long the emergency checkpoint may take to be committed: up to the deadline, less a margin."""
+        budget = (self.deadline - time.time() - EMERGENCY_MARGIN) if self.deadline else EMERGENCY_TIMEOUT
+        return max(1.0, budget)
+
+
+class NoticeBoard:
+    """The most serious notice this node's agent pushed, and the per-step agreement on it across ranks."""
+
+    def __init__(self, world: int, early_interval: int):
+        self.world = world
+        self.early_interval = early_interval  # for the message: how often an early warning makes a rank save
+        self.notice: Notice | None = None     # the most serious notice this node's agent pushed
+        self._flag: torch.Tensor | None = None
+        self._work = None                     # the all-reduce of every rank's notice, one step behind
+        self._group = None
+
+    def on_notice(self, body: dict[str, Any]) -> None:
+        """From the agent's reader thread: record the notice; save() acts on it, on every rank at once."""
+        try:
+            notice = Notice.from_body(body)
+        except DashError:
+            return
+        if not notice.outranks(self.notice):
+            return
+        self.notice = notice
+        if notice.early_warning:
+            log.warning("dashrun: %s early warning (%s): checkpointing every %d steps", notice.cloud, notice.kind.value,
+                        self.early_interval)
+        else:
+            left = f"{notice.deadline - time.time():.0f}s" if notice.deadline else "an unknown time"
+            log.warning("dashrun: %s %s notice: this node goes away in %s; checkpointing at the next step",
+                        notice.cloud, notice.kind.value, left)
+
+    def agree(self) -> Agreement:
+        """The most serious notice any rank had one step ago — the same on every rank.
+
+        Each call starts an all-reduce (MAX) of this rank's notice on a gloo
+        group and reads the one it started at the previous call, so the ranks
+        agree without waiting on the network: every rank acts at the same step.
+        Every rank must call it at every ``save()``.
+        """
+        notice = self.notice
+        level = 0 if notice is None else notice.severity
+        deadline = notice.deadline if notice is not None and not notice.early_warning and notice.deadline else None
+        if self.world == 1 or not in_process_group():
+            return Agreement(level, deadline)
+        agreed = Agreement()
+        if self._work is not None:
+            self._work.wait()
+            agreed_level, negated_deadline = self._flag.tolist()
+            agreed = Agreement(int(agreed_level), -negated_deadline if negated_deadline > -_NO_DEADLINE else None)
+        if self._group is None:
+            self._group = (dist.group.WORLD if dist.get_backend() == "gloo"
+                           else dist.new_group(backend="gloo"))  # collective: every rank, first save()
+        self._flag = torch.tensor([float(level), -(deadline or _NO_DEADLINE)], dtype=torch.float64)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return agreed
+
+    def settle(self) -> None:
+        """Wait for the all-reduce in flight: every rank started it; leave no collective half-done."""
+        if self._work is not None:
+            self._work.wait()

@@ -1,0 +1,184 @@
+"""Restore through the node's dash-agent: fetch the image, agree on one step across ranks, load it.
+
+The agent fetches a committed checkpoint from dash-memd once per node and
+hands every rank of the node the same image by descriptor, laid out as
+:mod:`dashrun.wire.image` says. The ranks load the oldest of the steps they
+found, so all of them resume from the same checkpoint. The replicated state
+is rebuilt from every saved rank's slice whatever the new world size; private
+state (``per_rank`` objects, RNG states) goes to the rank with the same
+number, and what has no owner is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import random
+import sys
+import time
+from typing import Any, Callable, Collection, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dashrun.errors import ProtocolError, UnavailableError, UsageError
+from dashrun.rank import statetree
+from dashrun.rank.notices import in_process_group
+from dashrun.util.retry import Backoff, retry
+from dashrun.wire import image
+from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.agent_messages import RestoreReply, RestoreRequest
+from dashrun.wire.channel import Frame
+from dashrun.wire.messages import CheckpointInfo
+from dashrun.wire.protocol import Kind
+
+__all__ = ["RESTORE_TIMEOUT", "agree", "decode_private", "decode_replicated", "fetch", "load", "report_world_change",
+           "restore_rng", "restore_state"]
+
+log = logging.getLogger(__name__)
+
+#: How long restore() keeps trying while dash-agent or dash-memd is unreachable.
+RESTORE_TIMEOUT = 120.0
+
+
+def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails: Sequence[int], *,
+                      copy: bool) -> dict[str, Any]:
+    """The state every rank held alike, from a restore image; ``copy=False`` gives views into it."""
+    rep = image.meta(mapped, info, tails, 0)["replicated"]
+    return statetree.unflatten(rep["tree"], statetree.materialize(rep["tensors"], region[:info.rep_total],
+                                                                   copy=copy))
+
+
+def decode_private(region: torch.Tensor, mapped, info: CheckpointInfo, tails: Sequence[int],
+                   rank: int) -> dict[str, Any]:
+    """Saved rank ``rank``'s own state (per-rank objects and ``$rng``), as owned tensors."""
+    mine = image.meta(mapped, info, tails, rank)["private"]
+    start = tails[rank]
+    return statetree.unflatten(mine["tree"], statetree.materialize(
+        mine["tensors"], region[start:start + info.shards[rank].private_len], copy=True))
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the RNG states :func:`dashrun.rank.snapshot.capture_rng` took (those this process has)."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal.tolist()), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state and sys.modules.get("numpy") is not None:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _map_tensors(tree: Any, fn) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map_tensors(v, fn) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_map_tensors(v, fn) for v in tree)
+    return tree
+
+
+def fetch(link: AgentLink, request: RestoreRequest,
+          on_wait: Callable[[str], None]) -> tuple[RestoreReply, Frame]:
+    """Ask the agent for the image, trying again for RESTORE_TIMEOUT while it or dash-memd is unreachable.
+
+    ``on_wait(message)`` is told each time it waits. The frame holds the
+    image's descriptor when the reply says ``found``: the caller closes it.
+    """
+    def on_retry(e: BaseException, pause: float) -> None:
+        on_wait(f"restore waits for dash-memd: {e}")
+
+    try:
+        frame = retry(lambda: link.call(Kind.RESTORE, request.to_body(), timeout=RESTORE_TIMEOUT),
+                      on=UnavailableError, backoff=Backoff(0.5, 10.0), deadline=time.monotonic() + RESTORE_TIMEOUT,
+                      on_retry=on_retry)
+    except UnavailableError as e:
+        raise UnavailableError(f"cannot restore job {request.job}: {e}",
+                               hint="is dash-memd up and reachable from this node?") from None
+    try:
+        return RestoreReply.from_body(frame.body), frame
+    except ProtocolError as e:
+        frame.close_fds()
+        raise UnavailableError("dash-agent sent a malformed restore description") from e
+
+
+def agree(step: int) -> int:
+    """The oldest of the steps the ranks found, so every rank loads the same checkpoint."""
+    if not in_process_group() or dist.get_world_size() == 1:
+        return step
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([step], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())
+
+
+def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_world: int,
+                  objects: Mapping[str, Any], per_rank: Collection[str],
+                  on_wait: Callable[[str], None]) -> CheckpointInfo | None:
+    """Load the newest checkpoint of ``job_id`` every rank has into ``objects``; None if there is none."""
+    reply, frame = fetch(link, RestoreRequest(job_id, None, local_world), on_wait)
+    found_step = reply.checkpoint.step if reply.found else -1
+    agreed = agree(found_step)
+    if agreed != found_step:
+        frame.close_fds()
+        if agreed < 0:  # another rank found none
+            reply = RestoreReply(found=False)
+        else:
+            reply, frame = fetch(link, RestoreRequest(job_id, agreed, local_world), on_wait)
+    if not reply.found:
+        log.info("dashrun: no checkpoint of job %s yet: starting from step 0", job_id)
+        return None
+    try:
+        load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world)
+    finally:
+        frame.close_fds()
+    return reply.checkpoint
+
+
+def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
+         job_id: str, rank: int, world: int) -> None:
+    """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states."""
+    info, tails = reply.checkpoint, reply.tails
+    size = os.fstat(fd).st_size
+    mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
+    region = torch.frombuffer(mapped, dtype=torch.uint8)
+    replicated = decode_replicated(region, mapped, info, tails, copy=False)
+    private = decode_private(region, mapped, info, tails, rank) if rank < info.world else None
+    report_world_change(info, rank, world, per_rank)
+
+    for name, obj in objects.items():
+        if name in per_rank:
+            if private is not None and name in private:
+                obj.load_state_dict(private[name])
+        elif name not in replicated:
+            raise UsageError(f"checkpoint of step {info.step} has no state for {name}=",
+                             hint="pass the same keyword objects to Checkpointer as the run that saved it")
+        elif isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(replicated[name])  # copies into the parameters
+        else:
+            obj.load_state_dict(_map_tensors(replicated[name], torch.Tensor.clone))
+    if private is not None:
+        restore_rng(private.get("$rng", {}))
+    del replicated, region
+    log.info("dashrun: restored job %s step %d (%d bytes, saved by %d ranks)", job_id, info.step,
+             info.nbytes, info.world)
+
+
+def report_world_change(info: CheckpointInfo, rank: int, world: int, per_rank: Collection[str]) -> None:
+    """Say which per-rank state a world size other than the saving one leaves fresh or behind."""
+    if info.world == world:
+        return
+    if rank >= info.world:
+        log.warning("dashrun: rank %d: checkpoint of step %d was saved by %d ranks; this rank has no saved "
+                    "per-rank state (%s, RNG) and starts those fresh", rank, info.step, info.world,
+                    ", ".join(sorted(per_rank)) or "none")
+    elif rank == 0 and info.world > world:
+        log.warning("dashrun: checkpoint of step %d was saved by %d ranks, restored by %d: per-rank state "
+                    "(%s, RNG) of ranks %d..%d is not restored", info.step, info.world, world,
+                    ", ".join(sorted(per_rank)) or "none", world, info.world - 1)

@@ -1,0 +1,144 @@
+"""What ``save()`` captures, and the shared buffer a shard is staged into.
+
+:func:`capture` is the synchronous part of a save: it takes every object's
+``state_dict()`` and this rank's RNG states, splits them into the
+*replicated* state (alike on every rank) and the *private* state
+(``per_rank`` objects and ``$rng``), and copies at once the leaves that may
+change before the next ``optimizer.step()`` (module buffers change in the
+forward pass, for example). Parameters and optimizer state change only in
+``optimizer.step()``, so they stay live in the :class:`Snapshot` and the
+stager (:mod:`dashrun.rank.stager`) copies them beside the next
+forward/backward.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import mmap
+import os
+import random
+import sys
+import threading
+from typing import Any, Collection, Mapping
+
+import torch
+
+from dashrun.rank import statetree
+from dashrun.util.files import unmap
+from dashrun.wire.messages import ShardHeader
+
+__all__ = ["SaveStats", "SharedBuffer", "Snapshot", "capture", "capture_rng", "stable_storages"]
+
+
+@dataclasses.dataclass
+class SaveStats:
+    snapshots: int = 0   # snapshots started
+    skipped: int = 0     # due, but both buffers were still in flight
+    stored: int = 0      # shards stored in dash-memd
+    failed: int = 0      # shards handed over but not stored
+    stall_s: float = 0.0        # total time save() and the optimizer hook blocked training
+    last_stall_s: float = 0.0   # the same, for the most recent snapshot
+
+
+class SharedBuffer:
+    """A reusable staging buffer in a memfd: this rank writes it, the agent reads it by descriptor."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.fd = os.memfd_create("dashrun-stage", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, capacity)
+        self._map = mmap.mmap(self.fd, capacity)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.busy = False
+        self._pinned = False
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Pinned, so device-to-host copies run asynchronously at full speed.
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), capacity, 0)
+            self._pinned = int(err) == 0
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._map[offset:offset + len(data)] = data
+
+    def close(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        del self.tensor
+        unmap(self._map)
+        os.close(self.fd)
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One checkpoint of this rank, from ``save()`` (capture) through the stager to dash-memd."""
+
+    step: int
+    buffer_index: int
+    # What save() captured: trees with leaf indices, and leaves; leaves that could change before the next
+    # optimizer.step() are already private copies, the others (parameters, optimizer state) still live.
+    rep_tree: Any
+    rep_leaves: list[Any]
+    priv_tree: Any
+    priv_leaves: list[Any]
+    header: ShardHeader | None = None
+    buffer: SharedBuffer | None = None
+    copied: threading.Event = dataclasses.field(default_factory=threading.Event)
+    handed: threading.Event = dataclasses.field(default_factory=threading.Event)  # result is set (or failed)
+    awaited: bool = False  # the optimizer hook has waited for the copy
+    emergency: bool = False  # taken because of an interruption notice
+    gpu_ready: Any = None  # CUDA event: the optimizer step that produced this state is done
+    gpu_done: Any = None   # CUDA event the compute stream waits on before the next optimizer.step()
+    result: concurrent.futures.Future | None = None
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states: Python's, torch's, numpy's if it is loaded, CUDA's if it is in use."""
+    version, internal, gauss = random.getstate()
+    # 625 integers as one tensor, not 625 JSON numbers: this runs inside save().
+    state: dict[str, Any] = {"python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
+                             "torch": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_initialized():  # (is_available() is slow, and an uninitialised CUDA has no RNG in use)
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def stable_storages(objects: Mapping[str, Any]) -> set[int]:
+    """Storages that only ``optimizer.step()`` changes: parameters and optimizer state."""
+    stable = set()
+    for obj in objects.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                stable.update(p.untyped_storage().data_ptr() for p in group["params"])
+            for per_param in obj.state.values():
+                stable.update(t.untyped_storage().data_ptr() for t in per_param.values()
+                              if isinstance(t, torch.Tensor))
+    stable.discard(0)
+    return stable
+
+
+def capture(step: int, buffer_index: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
+            emergency: bool = False) -> Snapshot:
+    """The synchronous part of save(): state dicts, RNG, and private copies of what may change soon."""
+    replicated = {name: obj.state_dict() for name, obj in objects.items() if name not in per_rank}
+    private = {name: objects[name].state_dict() for name in sorted(per_rank)}
+    private["$rng"] = capture_rng()
+    rep_tree, rep_leaves = statetree.flatten(replicated)
+    priv_tree, priv_leaves = statetree.flatten(private)
+    stable = stable_storages(objects)
+
+    def settled(leaf):  # module buffers change in forward, for example: copy them now
+        if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in stable:
+            return leaf.detach().clone()
+        return leaf
+
+    snapshot = Snapshot(step, buffer_index, rep_tree, [settled(x) for x in rep_leaves],
+                        priv_tree, [settled(x) for x in priv_leaves], emergency=emergency)
+    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in snapshot.rep_leaves):
+        # The side stream starts after the optimizer step that produced this state.
+        snapshot.gpu_done = torch.cuda.Event()
+        snapshot.gpu_ready = torch.cuda.Event()
+        snapshot.gpu_ready.record(torch.cuda.current_stream())
+    return snapshot

@@ -1,0 +1,257 @@
+"""The background stager: lays out a rank's shard, hands it to dash-agent, copies it while the agent streams it.
+
+Order of operations for one snapshot, on the stager's one thread:
+
+1. ``save()`` reserved one of the two staging buffers (:meth:`Stager.reserve`);
+   if both are still busy the snapshot is skipped, never waited for, unless
+   forced.
+2. :meth:`Stager.layout` describes the shard (the rank's slice of the
+   replicated bytes, its private bytes, the JSON description at the end),
+   makes its :class:`~dashrun.wire.messages.ShardHeader`, sizes the buffer and
+   lists the copies to make.
+3. The buffer goes to the agent by descriptor (SNAPSHOT) before a byte is
+   copied; the copy runs in shard order and PROGRESS tells the agent how far
+   it may stream. On CPU the copy checksums as it goes (dashrun's C helper,
+   :mod:`dashrun.rank.staging`); on CUDA it runs on a side stream.
+4. The agent's reply (the shard is stored in dash-memd, or not) releases the
+   buffer and counts the shard stored or failed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from dashrun.errors import ProtocolError
+from dashrun.rank import staging, statetree
+from dashrun.rank.snapshot import SaveStats, SharedBuffer, Snapshot
+from dashrun.util.faults import crash_point
+from dashrun.util.problems import ProblemLog
+from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.agent_messages import Progress, SnapshotReply, SnapshotRequest
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import Kind
+
+__all__ = ["FORCED_SAVE_TIMEOUT", "META_FORMAT", "PIECE", "PROGRESS_EVERY", "SAVE", "STORE", "Stager", "split"]
+
+log = logging.getLogger(__name__)
+
+META_FORMAT = 1
+#: How long save(force=True) waits for a buffer before giving up on the snapshot.
+FORCED_SAVE_TIMEOUT = 120.0
+#: The background copy works in pieces of this size, and tells the agent its progress about this often.
+PIECE = 8 << 20
+PROGRESS_EVERY = 8 << 20
+#: Keys of the rank's ProblemLog: a shard's way to dash-memd (a stored shard says it works again), and the
+#: rest of saving and restoring (skipped or unconfirmed snapshots, a restore waiting), which a stored shard clears.
+STORE = "store"
+SAVE = "save"
+
+Copy = tuple[Any, int, int, int]  # (leaf, first byte, end byte, offset in the shard)
+
+
+def split(total: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's [start, end) of ``total`` replicated bytes; cut points 64-byte aligned."""
+    def cut(r: int) -> int:
+        return min(total, statetree.align(total * r // world))
+    return cut(rank), cut(rank + 1)
+
+
+class Stager:
+    """One rank's two staging buffers and the thread that fills them (see the module docstring)."""
+
+    def __init__(self, link: AgentLink, *, job_id: str, rank: int, world: int, stats: SaveStats,
+                 problems: ProblemLog):
+        self.link = link
+        self.job_id = job_id
+        self.rank = rank
+        self.world = world
+        self.stats = stats
+        self.problems = problems
+        self._buffers: list[SharedBuffer | None] = [None, None]
+        self._reserved: set[int] = set()         # buffers save() gave to a snapshot the stager has not laid out
+        self._cond = threading.Condition()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashrun-stage")
+        self.side_stream = None  # the CUDA stream the copies from the GPU run on, made on first use
+
+    # --- the two buffers ----------------------------------------------------------------
+
+    def reserve(self, wait: bool) -> int | None:
+        """Reserve a staging buffer that dash-memd is done with (waiting for one only if ``wait``)."""
+        def free() -> int | None:
+            return next((i for i, b in enumerate(self._buffers)
+                         if (b is None or not b.busy) and i not in self._reserved), None)
+
+        with self._cond:
+            if wait:
+                self._cond.wait_for(lambda: free() is not None, timeout=FORCED_SAVE_TIMEOUT)
+            index = free()
+            if index is not None:
+                self._reserved.add(index)
+            return index
+
+    def _buffer(self, index: int, nbytes: int) -> SharedBuffer:
+        """The reserved buffer ``index``, at least ``nbytes`` large, marked busy (call with the lock held)."""
+        buffer = self._buffers[index]
+        if buffer is None or buffer.capacity < nbytes:
+            if buffer is not None:
+                buffer.close()
+            # Headroom, so a layout that grows a little (counters, longer numbers) reuses the buffer.
+            buffer = SharedBuffer(nbytes + max(nbytes // 64, 1 << 20))
+            self._buffers[index] = buffer
+        buffer.busy = True
+        self._reserved.discard(index)
+        return buffer
+
+    def _release(self, snapshot: Snapshot, future: concurrent.futures.Future) -> None:
+        """The agent answered the SNAPSHOT: the buffer is free again, the shard stored or not."""
+        with self._cond:
+            snapshot.buffer.busy = False
+            self._cond.notify_all()
+        error = future.exception()
+        if error is None:
+            try:
+                SnapshotReply.from_body(future.result().body)
+            except ProtocolError as e:  # an odd reply, but the agent said the shard is stored
+                log.debug("dashrun: odd SNAPSHOT reply for step %d: %s", snapshot.step, e)
+            self.stats.stored += 1
+            self.problems.ok(STORE, "dashrun: checkpoints reach dash-memd again (step %d stored)", snapshot.step)
+            self.problems.ok(SAVE)
+        else:
+            self.stats.failed += 1
+            self.problems.problem(STORE, f"not stored: {getattr(error, 'code', type(error).__name__)}",
+                                  "dashrun: %s", f"checkpoint of step {snapshot.step} not stored: {error}; "
+                                  "training continues, the next save tries again")
+
+    # --- staging --------------------------------------------------------------------------
+
+    def submit(self, snapshot: Snapshot) -> None:
+        """Stage ``snapshot`` (which holds a reserved buffer) on the stager's thread."""
+        self._thread.submit(self._stage, snapshot)
+
+    def layout(self, snapshot: Snapshot) -> list[Copy]:
+        """Describe the shard, put it in a buffer, return its copies: (leaf, first, end, shard offset)."""
+        rep_offsets, rep_total = statetree.plan(snapshot.rep_leaves)
+        rep_desc = {"tree": snapshot.rep_tree, "tensors": statetree.describe(snapshot.rep_leaves, rep_offsets),
+                    "total": rep_total}
+        rep_json = json.dumps(rep_desc, separators=(",", ":"), sort_keys=True).encode()
+        priv_offsets, priv_len = statetree.plan(snapshot.priv_leaves)
+        # Every rank holds the same description of the replicated state; rank 0 carries it.
+        meta = json.dumps({
+            "format": META_FORMAT, "step": snapshot.step, "rank": self.rank, "world": self.world,
+            "replicated": None,
+            "private": {"tree": snapshot.priv_tree, "tensors": statetree.describe(snapshot.priv_leaves, priv_offsets)},
+        }, separators=(",", ":")).encode()
+        if self.rank == 0:
+            meta = meta.replace(b'"replicated":null', b'"replicated":' + rep_json, 1)
+        rep_start, rep_end = split(rep_total, self.rank, self.world)
+        rep_len = rep_end - rep_start
+        snapshot.header = ShardHeader(
+            job=self.job_id, step=snapshot.step, rank=self.rank, world=self.world, rep_total=rep_total,
+            rep_start=rep_start, rep_end=rep_end, private_len=priv_len, meta_len=len(meta),
+            layout=hashlib.sha256(rep_json).hexdigest())
+        with self._cond:
+            snapshot.buffer = self._buffer(snapshot.buffer_index, snapshot.header.nbytes)
+        snapshot.buffer.write(rep_len + priv_len, meta)
+
+        copies = []
+        for leaf, offset in zip(snapshot.rep_leaves, rep_offsets):
+            first, end = max(offset, rep_start), min(offset + statetree.nbytes_of(leaf), rep_end)
+            # Pieces, so that the agent can start streaming before a big tensor is copied whole.
+            for piece in range(first, end, PIECE):
+                copies.append((leaf, piece - offset, min(piece + PIECE, end) - offset, piece - rep_start))
+        for leaf, offset in zip(snapshot.priv_leaves, priv_offsets):
+            copies.append((leaf, 0, statetree.nbytes_of(leaf), rep_len + offset))
+        return copies
+
+    def _stage(self, snapshot: Snapshot) -> None:
+        """The stager: lay out, hand the segment to the agent, copy; the agent streams what is done."""
+        try:
+            copies = self.layout(snapshot)
+        except BaseException as e:
+            with self._cond:
+                self._reserved.discard(snapshot.buffer_index)
+                self._cond.notify_all()
+            snapshot.copied.set()
+            snapshot.handed.set()
+            log.error("dashrun: the checkpoint of step %d cannot be staged: %s", snapshot.step, e)
+            return
+        # The rank checksums as it copies (on CPU, with dashrun's C helper); otherwise the agent does.
+        checksum = staging.streaming and snapshot.gpu_done is None
+        request = SnapshotRequest(snapshot.header, ready=0, emergency=snapshot.emergency, checksum=checksum)
+        snapshot.result = self.link.request(Kind.SNAPSHOT, request.to_body(), fds=[snapshot.buffer.fd])
+        snapshot.handed.set()
+        crash_point("rank.handoff", rank=self.rank, step=snapshot.step)
+        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f))
+        request_id = snapshot.result.request_id
+        try:
+            if snapshot.gpu_done is not None:
+                self._copy_cuda(snapshot, copies)
+                snapshot.gpu_done.synchronize()  # bytes in host memory before the agent reads them
+                crc = None
+            else:
+                crc = self._copy_cpu(snapshot, copies, request_id, checksum)
+        except BaseException as e:
+            snapshot.copied.set()
+            self.link.notify(Kind.PROGRESS, Progress(request_id, failed=True).to_body())
+            log.error("dashrun: staging the checkpoint of step %d failed: %s", snapshot.step, e)
+            return
+        snapshot.copied.set()
+        self.link.notify(Kind.PROGRESS, Progress(request_id, ready=snapshot.header.nbytes, crc=crc).to_body())
+
+    def _copy_cpu(self, snapshot: Snapshot, copies: list[Copy], request_id: int, checksum: bool) -> int | None:
+        """Copy in shard order, telling the agent how far it is; the shard's CRC-32C if ``checksum``.
+
+        The CRC also covers the alignment gaps between the copies and the
+        description at the end, read back from the buffer.
+        """
+        stage = snapshot.buffer.tensor
+        crc = 0 if checksum else None
+        reported = done = 0
+        for index, (leaf, first, end, offset) in enumerate(copies):
+            if index == len(copies) // 2:
+                crash_point("rank.staging", rank=self.rank, step=snapshot.step)
+            if crc is not None:
+                if offset < done:
+                    raise RuntimeError("the shard's copies are out of order")
+                crc = staging.crc_of(stage[done:offset], crc)
+            crc = staging.copy_into(stage[offset:offset + end - first], statetree.byte_view(leaf)[first:end], crc)
+            done = offset + end - first
+            if done - reported >= PROGRESS_EVERY and index + 1 < len(copies):
+                self.link.notify(Kind.PROGRESS, Progress(request_id, ready=done).to_body())
+                reported = done
+        if crc is not None:
+            crc = staging.crc_of(stage[done:snapshot.header.nbytes], crc)
+        return crc
+
+    def _copy_cuda(self, snapshot: Snapshot, copies: list[Copy]) -> None:
+        """Enqueue the copies on a side stream that starts once the state's optimizer step is done."""
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream()
+        stream = self.side_stream
+        stage = snapshot.buffer.tensor
+        with torch.cuda.stream(stream):
+            stream.wait_event(snapshot.gpu_ready)
+            for leaf, first, end, offset in copies:
+                stage[offset:offset + end - first].copy_(statetree.byte_view(leaf)[first:end], non_blocking=True)
+            snapshot.gpu_done.record(stream)
+        snapshot.copied.set()  # enqueued: the compute stream waits for gpu_done on the GPU
+
+    # --- shutting down --------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Finish the snapshot being staged and stop the thread."""
+        self._thread.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Free both buffers (after :meth:`stop`; the agent keeps its own descriptor of one it still sends)."""
+        for buffer in self._buffers:
+            if buffer is not None:
+                buffer.close()
+        self._buffers = [None, None]

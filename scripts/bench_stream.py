@@ -66,7 +66,7 @@ def staged(nbytes: int) -> memoryview:
 
 
 # dash-memd receiving straight into its RAM buffer, as before the landing buffer (for the comparison only).
-_MEMD_STRAIGHT_IN = ("from dashrun import channel; channel._ntcopy = None; "
+_MEMD_STRAIGHT_IN = ("from dashrun.wire import channel; channel._ntcopy = None; "
                      "from dashrun.memd.cli import main; main()")
 
 

@@ -185,7 +185,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "dashrun.util._ntcopy",
-    "The staging copy with non-temporal stores (see dashrun.staging).", -1, methods, NULL, NULL, NULL, NULL,
+    "The staging copy with non-temporal stores (see dashrun.rank.staging and dashrun.wire.channel).", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__ntcopy(void)

@@ -392,3 +392,26 @@ def test_restore_image_mapping_is_private(stack, rank_env):
     assert mmap.mmap(fd, size, prot=mmap.PROT_READ)[:] == before
     os.close(fd)
     again.close()
+
+
+def test_close_leaves_no_thread_behind_to_free_what_the_checkpointer_held(stack, rank_env, tmp_path):
+    """After close() nothing of the Checkpointer lives on in the agent link's reader thread: the process group of the
+    notice agreement and its last collective, freed there while the script tears torch.distributed down, aborted a
+    rank at exit ("terminate called without an active exception")."""
+    import threading
+
+    import torch.distributed as dist
+
+    memd, agent = stack
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model, opt, sched = trained_objects()
+        ckpt = rank_env(agent, "closing", 0, 2, model=model, optimizer=opt, scheduler=sched, data=Cursor(3))
+        assert not ckpt.save(0)  # not due: only the notice agreement's all-reduce starts
+        readers = [t for t in threading.enumerate() if t.name == "dashrun-agent-reader"]
+        assert readers and ckpt._notices._group is not None
+        ckpt.close()
+        assert not any(t.is_alive() for t in readers)
+        assert ckpt._notices._group is None and ckpt._notices._work is None
+    finally:
+        dist.destroy_process_group()

@@ -233,7 +233,7 @@ class Checkpointer:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        self._notices.settle()  # every rank started it; leave no collective half-done
+        self._notices.close()  # every rank started the last all-reduce: it is settled, then let go
         self._stager.stop()
         if self._link is not None:
             self._link.close()

@@ -118,3 +118,13 @@ class NoticeBoard:
         """Wait for the all-reduce in flight: every rank started it; leave no collective half-done."""
         if self._work is not None:
             self._work.wait()
+
+    def close(self) -> None:
+        """Settle, then let go of the process group and the collective's handle, here, on the closing thread.
+
+        The agent link's reader thread holds this board (its notice callback) and
+        may outlive the Checkpointer: the group must not be freed there, possibly
+        while the interpreter shuts down (a C++ thread destroyed unjoined aborts).
+        """
+        self.settle()
+        self._work = self._flag = self._group = None

@@ -39,6 +39,7 @@ class AgentLink:
         self._ch: Channel | None = None
         self._pending: dict[int, concurrent.futures.Future[Frame]] = {}
         self._ids = itertools.count(1)
+        self._readers: list[threading.Thread] = []
 
     def _connect(self) -> Channel:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -50,7 +51,9 @@ class AgentLink:
             raise UnavailableError(f"cannot reach dash-agent at {self.path}: {e.strerror or e}") from None
         sock.settimeout(None)  # replies may be minutes apart; each request has its own timeout
         ch = Channel(sock)
-        threading.Thread(target=self._read_loop, args=(ch,), name="dashrun-agent-reader", daemon=True).start()
+        reader = threading.Thread(target=self._read_loop, args=(ch,), name="dashrun-agent-reader", daemon=True)
+        self._readers = [r for r in self._readers if r.is_alive()] + [reader]
+        reader.start()
         return ch
 
     def request(self, kind: Kind, body: dict[str, Any] | None = None,
@@ -125,6 +128,12 @@ class AgentLink:
                 if not future.done():
                     future.set_exception(err)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the connection and wait (up to ``timeout`` s) for its reader: nothing of the link, nor what its
+        callbacks hold, is left to a thread that outlives the caller's teardown."""
         with self._lock:
             self._drop(self._ch, UnavailableError("closed"))
+            readers, self._readers = self._readers, []
+        for reader in readers:
+            if reader is not threading.current_thread():
+                reader.join(timeout)

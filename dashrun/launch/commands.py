@@ -29,7 +29,7 @@ from rich.table import Table
 from dashrun import env
 from dashrun.errors import NotFoundError, UsageError
 from dashrun.launch import dispatch
-from dashrun.launch.options import memd_address
+from dashrun.launch.options import memd_address, require_token_file
 from dashrun.launch.private_memd import PrivateMemd
 from dashrun.util.tokens import read_token
 from dashrun.util.units import format_size
@@ -48,8 +48,7 @@ def connect(memd: str | None, token_file: str | None) -> Iterator[MemdClient]:
         with PrivateMemd(attach=True) as private, MemdClient(*private.address, read_token(private.token_file)) as c:
             yield c
         return
-    if token_file is None:
-        raise UsageError("--memd needs --token-file", hint="the file with the token dash-memd was started with")
+    require_token_file(memd, token_file)
     with MemdClient(*memd_address(memd), read_token(token_file)) as client:
         yield client
 

@@ -139,7 +139,7 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
     require_shared_memd(args, len(hosts), "hosts")
     if args.memd is not None:
         memd_address(args.memd)  # fail here, not on every host
-        require_token_file(args, " (at the same path on every host)")
+        require_token_file(args.memd, args.token_file, " (at the same path on every host)")
     job_id = job_id_from_args(args)
 
     targets = ssh_targets(hosts, args.ssh_config)

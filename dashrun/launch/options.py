@@ -158,9 +158,9 @@ def require_shared_memd(args: argparse.Namespace, count: int, what: str) -> None
         raise UsageError(f"a job on several {what} needs a dash-memd they all reach", hint=MEMD_HINT)
 
 
-def require_token_file(args: argparse.Namespace, where: str = "") -> None:
+def require_token_file(memd: str | None, token_file: str | None, where: str = "") -> None:
     """--memd needs --token-file; ``where`` ends the hint (where the file must be)."""
-    if args.memd is not None and args.token_file is None:
+    if memd is not None and token_file is None:
         raise UsageError("--memd needs --token-file", hint=TOKEN_HINT + where)
 
 
@@ -182,7 +182,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         require_shared_memd(args, max_nodes(args), "nodes")
         return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
                              metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval)
-    require_token_file(args)
+    require_token_file(args.memd, args.token_file)
     token_file = Path(args.token_file)
     read_token(token_file)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,

@@ -24,6 +24,7 @@ from dashrun.util.signals import block_stop_signals, next_stop_signal
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.version import __version__
+from dashrun.wire.tls import TlsSettings
 
 __all__ = ["PROGRAM", "cli", "main", "run"]
 
@@ -54,17 +55,22 @@ log = logging.getLogger(PROGRAM)
                    "are honoured too).")
 @click.option("--poll-interval", envvar=env.POLL_INTERVAL.name, show_envvar=True, type=float, default=None,
               help="Seconds between metadata polls (default: each cloud's; GCP waits on a hanging GET).")
+@click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True,
+              help="Plaintext TCP to a dash-memd started with --no-tls (default: TLS).")
+@click.option("--tls-ca", envvar=env.TLS_CA.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
+              help="Also verify dash-memd's certificate chain and host name against these PEM CA certificates "
+                   "(default: the login authenticates dash-memd on the TLS link itself).")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def cli(memd, token_file, socket_path, parent_pid, memd_timeout, drain_timeout, job_id, cloud, metadata_endpoint,
-        poll_interval, log_level) -> None:
+        poll_interval, no_tls, tls_ca, log_level) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
     config = AgentConfig(memd_host=host, memd_port=port, token=read_token(token_file),
                          socket_path=Path(socket_path), memd_timeout=memd_timeout, drain_timeout=drain_timeout,
                          job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint, poll_interval=poll_interval,
-                         parent_pid=parent_pid)
+                         parent_pid=parent_pid, tls=TlsSettings.from_options(no_tls, tls_ca))
     sys.exit(run(config))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dashrun.env import PreemptionRecord
 from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.tls import TlsSettings
 
 __all__ = ["AgentConfig"]
 
@@ -35,6 +36,8 @@ class AgentConfig:
     poll_interval: float | None = None
     #: the launcher's pid: once it is gone the agent delivers what was handed over and exits (None: never)
     parent_pid: int | None = None
+    #: TLS to dash-memd (or plaintext with --no-tls), and a CA to verify it with
+    tls: TlsSettings = TlsSettings()
 
     @property
     def preempted_file(self) -> Path:
@@ -43,4 +46,4 @@ class AgentConfig:
 
     def memd_client(self) -> MemdClient:
         """A new client of dash-memd (the caller closes it)."""
-        return MemdClient(self.memd_host, self.memd_port, self.token, timeout=self.memd_timeout)
+        return MemdClient(self.memd_host, self.memd_port, self.token, timeout=self.memd_timeout, tls=self.tls)

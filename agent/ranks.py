@@ -11,7 +11,12 @@ shard. The checksum dash-memd verifies is the rank's, computed as it staged
 (sent with its last PROGRESS), so the agent makes no pass of its own over
 the bytes; a rank without dashrun's C helper leaves it to the agent. The
 agent holds its own descriptor of the segment, so a shard handed over is
-still delivered if its rank dies right after.
+still delivered if its rank dies right after. It reads the segment only
+through that descriptor (and its mapping of it), which carries the rank's
+lock: so a rank whose link dropped before the reply learns when the agent
+is done with the segment (:mod:`dashrun.rank.stager`). A connection is over once
+its rank is gone and its sender has delivered what was handed over: then
+its socket closes, and the agent forgets it.
 
 The frames and their bodies are :mod:`dashrun.wire.agent_messages`; each
 request's ``id`` is read here and repeated in its reply.
@@ -30,7 +35,7 @@ from typing import Any, Protocol
 
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.restores import RestoreCache
-from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.errors import ConflictError, DashError, ProtocolError, UnavailableError
 from dashrun.util.files import unmap
 from dashrun.wire.agent_messages import (
     Progress,
@@ -44,7 +49,7 @@ from dashrun.wire.agent_messages import (
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import Notice, ShardHeader
-from dashrun.wire.protocol import MAX_STEP, Kind, field_int
+from dashrun.wire.protocol import MAX_STEP, Kind, crc32c, field_int
 
 __all__ = ["STAGING_TIMEOUT", "Agent", "RankConnection", "SegmentMaps", "Staged"]
 
@@ -67,6 +72,9 @@ class Agent(Protocol):
 
     def emergency_stored(self, header: ShardHeader) -> None:
         """An emergency snapshot's shard is stored in dash-memd."""
+
+    def connection_finished(self, conn: RankConnection) -> None:
+        """``conn`` is over (its rank gone, its shards delivered) and closed: forget it."""
 
 
 @dataclasses.dataclass
@@ -140,7 +148,12 @@ class SegmentMaps:
 
 
 class RankConnection:
-    """One rank's connection: a reader (this thread), a sender thread, helpers for slow requests."""
+    """One rank's connection: a reader thread, a sender thread, helpers for slow requests.
+
+    It closes itself once both halves are over: the reader (the rank hung
+    up, or broke the protocol) and the sender (it delivered what the rank
+    handed over before that).
+    """
 
     def __init__(self, agent: Agent, sock: socket.socket):
         self.agent = agent
@@ -151,6 +164,8 @@ class RankConnection:
         self._maps = SegmentMaps()
         self.sender = threading.Thread(target=self._send_loop, name="agent-sender", daemon=True)
         self.who = "rank ?"
+        self._halves_left = 2  # the reader and the sender
+        self._halves_lock = threading.Lock()
 
     def reply(self, request_id: Any, body: dict[str, Any] | None = None, fds=()) -> None:
         with self._send_lock:
@@ -182,11 +197,28 @@ class RankConnection:
         if self.sender.is_alive():
             self.sender.join(timeout=timeout)
 
-    def serve(self) -> None:
-        self.sender.start()
-        if self.agent.notice is not None:
-            self.send_notice(self.agent.notice)  # a rank that (re)connects after the notice learns it now
+    def start(self) -> None:
+        """Serve the rank: the sender, then the reader, each in a thread of its own.
+
+        Raises if a thread cannot start; the connection then closes itself
+        (at once, or once the sender is done if only the reader is missing).
+        """
         try:
+            self.sender.start()
+        except BaseException:
+            self._half_over(2)  # neither half runs
+            raise
+        try:
+            threading.Thread(target=self.serve, name="agent-rank", daemon=True).start()
+        except BaseException:
+            self._reader_over()
+            raise
+
+    def serve(self) -> None:
+        """The reader: take the rank's requests until it hangs up (runs on its own thread, see :meth:`start`)."""
+        try:
+            if self.agent.notice is not None:
+                self.send_notice(self.agent.notice)  # a rank that (re)connects after the notice learns it now
             while True:
                 frame = self.ch.recv()
                 try:
@@ -197,10 +229,31 @@ class RankConnection:
             pass  # the rank exited or died: shards it had fully staged are still delivered
         except ProtocolError as e:
             log.warning("%s: %s", self.who, e)
+        except Exception:  # a bug must cost this rank its connection, not the agent its descriptors
+            log.exception("%s: reading the rank's requests failed", self.who)
         finally:
-            for staged in list(self._staging.values()):
-                staged.advance(failed=True)  # a shard its rank never finished staging must not go out
-            self._snapshots.put(None)
+            self._reader_over()
+
+    def _reader_over(self) -> None:
+        for staged in list(self._staging.values()):
+            staged.advance(failed=True)  # a shard its rank never finished staging must not go out
+        self._snapshots.put(None)
+        self._half_over()
+
+    def _half_over(self, halves: int = 1) -> None:
+        """The reader or the sender ended; after both, close the socket and let the agent forget us."""
+        with self._halves_lock:
+            self._halves_left -= halves
+            if self._halves_left > 0:
+                return
+        try:
+            # Wakes a helper thread blocked replying to a rank that stopped reading, so the lock comes free.
+            self.ch.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        with self._send_lock:  # not under a reply being sent: the descriptor's number could be reused meanwhile
+            self.ch.close()
+        self.agent.connection_finished(self)
 
     def _dispatch(self, frame: Frame) -> None:
         request_id = field_int(frame.body, "id", 0, MAX_STEP)
@@ -246,35 +299,60 @@ class RankConnection:
                     if not staged.failed:
                         self.agent.report_failure(staged.header.job, e)
                     self.reply_error(staged.request_id, e)
+                except Exception as e:  # a bug costs this shard, not the shards queued behind it
+                    log.exception("%s: delivering step %d failed", self.who, staged.header.step)
+                    self.reply_error(staged.request_id, e)
                 finally:
                     self._staging.pop(staged.request_id, None)
                     staged.view.release()
         finally:
             client.close()
             self._maps.close()
+            self._half_over()
 
     def _put_with_retry(self, client: MemdClient, staged: Staged) -> dict[str, Any]:
         def put() -> dict[str, Any]:
             return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=self.agent.config.node,
                                     crc=staged.rank_crc if staged.checksum else None)
         try:
-            return put()
-        except UnavailableError:
-            if staged.failed:
+            try:
+                return put()
+            except UnavailableError:
+                if staged.failed:
+                    raise
+                # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
+                return put()
+        except ConflictError:
+            # dash-memd refuses a copy of a shard it already holds: the first try may have got through
+            # before its connection broke. Stored is stored, if the committed shard is this one.
+            stored = self._already_committed(client, staged)
+            if stored is None:
                 raise
-            # A kept-alive connection may have been closed by dash-memd (idle, restart): one fresh try.
-            return put()
+            return stored
+
+    @staticmethod
+    def _already_committed(client: MemdClient, staged: Staged) -> dict[str, Any] | None:
+        header = staged.header
+        info = client.latest(header.job, header.step)
+        if info is None or info.step != header.step or header.rank >= len(info.shards):
+            return None
+        shard = info.shards[header.rank]
+        ours = staged.crc if staged.crc is not None else crc32c(staged.view)
+        if shard.nbytes != header.nbytes or shard.crc != ours:
+            return None
+        return {"committed": True, "crc": shard.crc}
 
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:
             request = RestoreRequest.from_body(body)
-            image = self.agent.restores.get(request.job, request.step)
-            if image is None:
+            lease = self.agent.restores.get(request.job, request.step)
+            if lease is None:
                 self.reply(request_id, RestoreReply(found=False).to_body())
             else:
-                reply = RestoreReply(found=True, checkpoint=image.info, tails=tuple(image.tails))
-                self.reply(request_id, reply.to_body(), fds=[image.fd])
-                self.agent.restores.handed_out(image, request.local_ranks)
+                with lease:  # our own descriptor: the cache may drop the image while we send it
+                    reply = RestoreReply(found=True, checkpoint=lease.info, tails=tuple(lease.tails))
+                    self.reply(request_id, reply.to_body(), fds=[lease.fd])
+                self.agent.restores.handed_out(lease.image, request.local_ranks)
         except DashError as e:
             self.reply_error(request_id, e)
         except Exception as e:

@@ -4,7 +4,9 @@ A node downloads the state once however many ranks it runs: the first
 RESTORE of a (job, step) fetches it from dash-memd into a new memfd segment
 laid out as :mod:`dashrun.wire.image` says, and the node's other ranks are
 handed descriptors of the same segment. The agent drops its own descriptor
-once every local rank has one, or after ``restore_ttl`` seconds.
+once every local rank has one, or after ``restore_ttl`` seconds. A rank being
+served holds a :class:`Lease`, a descriptor of its own, so the cache dropping
+the image meanwhile never closes (or lets the system reuse) what is being sent.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dashrun.wire import image
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["CORRUPT_FALLBACKS", "RestoreCache", "RestoreImage"]
+__all__ = ["CORRUPT_FALLBACKS", "Lease", "RestoreCache", "RestoreImage"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,31 @@ class RestoreImage:
     handed_out: int = 0  # ranks that received a descriptor of it
 
 
+@dataclasses.dataclass
+class Lease:
+    """One caller's own descriptor of a restore image, open until the caller closes it."""
+
+    image: RestoreImage
+    fd: int
+
+    @property
+    def info(self) -> CheckpointInfo:
+        return self.image.info
+
+    @property
+    def tails(self) -> list[int]:
+        return self.image.tails
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class RestoreCache:
     """One fetch per (job, step) per node; kept briefly for the other local ranks."""
 
@@ -51,8 +78,10 @@ class RestoreCache:
         self._fetching: dict[str, threading.Lock] = {}
         self._images: dict[tuple[str, int], RestoreImage] = {}
 
-    def get(self, job: str, step: int | None) -> RestoreImage | None:
+    def get(self, job: str, step: int | None) -> Lease | None:
         """The image of a committed checkpoint (the newest, or ``step``); None if the job has none.
+
+        The caller closes the lease once it has sent the descriptor on.
 
         A newest checkpoint whose bytes fail their checksum (dash-memd drops
         one that fails in its object tier), or that is gone by the time it is
@@ -73,21 +102,23 @@ class RestoreCache:
                               info.step, e)
         return None
 
-    def _get(self, client: MemdClient, info: CheckpointInfo) -> RestoreImage:
+    def _get(self, client: MemdClient, info: CheckpointInfo) -> Lease:
         job = info.job
         with self._lock:
             job_lock = self._fetching.setdefault(job, threading.Lock())
         with job_lock:
-            with self._lock:
+            with self._lock:  # expire() and handed_out() close the image's descriptor under this lock
                 image = self._images.get((job, info.step))
-            if image is None or image.info.committed_at != info.committed_at:
-                image = self._fetch(client, info)
-                with self._lock:
-                    old = self._images.pop((job, info.step), None)
-                    self._images[(job, info.step)] = image
-                if old is not None:
-                    os.close(old.fd)
-            return image
+                if image is not None and image.info.committed_at == info.committed_at:
+                    return Lease(image, os.dup(image.fd))
+            image = self._fetch(client, info)
+            with self._lock:
+                old = self._images.pop((job, info.step), None)
+                self._images[(job, info.step)] = image
+                lease = Lease(image, os.dup(image.fd))
+            if old is not None:
+                os.close(old.fd)
+            return lease
 
     def _fetch(self, client: MemdClient, info: CheckpointInfo) -> RestoreImage:
         tails, size = image.layout(info)

@@ -8,7 +8,10 @@ restores and waits in). It watches the cloud's interruption notices
 it in dash-memd and in the node's preemption record, and, once the node's
 emergency checkpoint is committed, lets the cloud go ahead (Azure). On
 :meth:`~AgentServer.stop` it takes no more connections and delivers what the
-ranks already handed over, within the drain timeout.
+ranks already handed over, within the drain timeout. A rank's connection is
+forgotten (and closed) once the rank is gone and what it handed over is
+delivered, so workers restarting all day cost the agent nothing; nothing
+that goes wrong with one connection stops the agent taking the next.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class AgentServer:
         self._failures = ProblemLog(log)
         self.notice: Notice | None = None      # the most serious notice this node received
         self._poller: Poller | None = None
-        self._acknowledged = False
+        self._acknowledged = False  # the cloud was told the node's state is safe (guarded by _lock)
 
     def report_failure(self, job: str, err: DashError) -> None:
         """Log a delivery failure once per job and kind, not once per shard."""
@@ -124,9 +127,12 @@ class AgentServer:
     def emergency_stored(self, header: ShardHeader) -> None:
         """A rank of this node took its emergency checkpoint: this node stops, and the cloud may be told."""
         self._mark_preempted(PreemptionRecord(PreemptionRecord.JOB, step=header.step))
-        if self._poller is not None and self.notice is not None and not self._acknowledged:
+        with self._lock:  # every rank's sender reports its emergency shard: one acknowledgement
+            notice = self.notice
+            if self._poller is None or notice is None or self._acknowledged:
+                return
             self._acknowledged = True
-            threading.Thread(target=self._acknowledge, args=(header, self.notice), daemon=True).start()
+        threading.Thread(target=self._acknowledge, args=(header, notice), daemon=True).start()
 
     def _acknowledge(self, header: ShardHeader, notice: Notice) -> None:
         """Azure: start the event early once the whole checkpoint is committed (the others do nothing)."""
@@ -141,35 +147,40 @@ class AgentServer:
 
     # --- ranks' connections ---------------------------------------------------------------
 
+    def connection_finished(self, conn: RankConnection) -> None:
+        """A rank's connection is over and closed: forget it (notices go to live connections only)."""
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+
     def _accept_loop(self, listener: socket.socket) -> None:
         """Serve each rank that connects until :meth:`stop`; a connection that fails costs only itself."""
         problems = ProblemLog(log)
-        while True:
+        while not self._stopping.is_set():
             try:
-                sock, _ = listener.accept()
-            except OSError as e:
+                self._accept_one(listener)
+            except Exception as e:  # never the end of the loop: the node would stop checkpointing unseen
                 if self._stopping.is_set():
                     return
                 problems.problem("accept", type(e).__name__, "cannot take a rank's connection: %s", e)
-                self._stopping.wait(ACCEPT_PAUSE)  # out of descriptors: do not spin
-                continue
-            conn: RankConnection | None = None
-            try:
-                if not _same_user(sock):
-                    sock.close()
-                    continue
-                conn = RankConnection(self, sock)
-                with self._lock:
-                    self._connections.append(conn)
-                threading.Thread(target=conn.serve, name="agent-rank", daemon=True).start()
-            except (OSError, RuntimeError) as e:  # no thread or peer credentials: this rank alone goes unserved
-                problems.problem("accept", type(e).__name__, "cannot serve a rank's connection: %s", e)
-                with self._lock:
-                    if conn in self._connections:
-                        self._connections.remove(conn)
-                sock.close()
+                self._stopping.wait(ACCEPT_PAUSE)  # out of descriptors, say: do not spin
             else:
                 problems.ok("accept")
+
+    def _accept_one(self, listener: socket.socket) -> None:
+        """Take one rank's connection and serve it in threads of its own."""
+        sock, _ = listener.accept()
+        try:
+            if not _same_user(sock):
+                sock.close()
+                return
+            conn = RankConnection(self, sock)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._connections.append(conn)
+        conn.start()  # if a thread cannot start, the connection closes and forgets itself
 
     def stop(self) -> None:
         """Stop accepting, deliver what ranks already handed over (within the drain timeout)."""

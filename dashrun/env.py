@@ -15,6 +15,8 @@ import dataclasses
 import json
 import os
 
+from dashrun.util.boundedjson import loads_bounded
+
 __all__ = ["ALL", "DEFAULT_PORT", "PreemptionRecord", "Var", "get"]
 
 #: The port dash-memd listens on and every client dials when an address names none.
@@ -59,6 +61,8 @@ PARENT_PID = Var("DASH_PARENT_PID", "the launcher's pid: dash-agent exits (after
                  "dash-agent")
 UPLOAD_QUEUE = Var("DASH_UPLOAD_QUEUE", "uploads waiting at most; a full queue drops its oldest", "user", "dash-memd")
 MAX_CONNECTIONS = Var("DASH_MAX_CONNECTIONS", "clients dash-memd serves at once", "user", "dash-memd")
+MAX_UNAUTHENTICATED = Var("DASH_MAX_UNAUTHENTICATED", "connections to dash-memd still logging in, at once (apart from "
+                          "DASH_MAX_CONNECTIONS); a new one beyond drops the oldest", "user", "dash-memd")
 AUTH_TIMEOUT = Var("DASH_AUTH_TIMEOUT", "seconds a new connection to dash-memd has to authenticate", "user",
                    "dash-memd")
 IDLE_TIMEOUT = Var("DASH_IDLE_TIMEOUT", "seconds an authenticated connection to dash-memd may stay silent", "user",
@@ -67,14 +71,21 @@ SHUTDOWN_TIMEOUT = Var("DASH_SHUTDOWN_TIMEOUT", "seconds dash-memd gets to finis
                        "dash-memd")
 READY_FILE = Var("DASH_READY_FILE", "file dash-memd writes HOST:PORT to once it listens", "dashrun, tests", "dash-memd")
 TOKEN_OUT = Var("DASH_TOKEN_OUT", "where 'dash-memd token' writes a new token", "user", "dash-memd token")
+NO_TLS = Var("DASH_NO_TLS", "'1': plaintext TCP to and at dash-memd instead of TLS (every end must say so)", "user",
+             "dashrun, dash-agent, dash-memd")
+TLS_CERT = Var("DASH_TLS_CERT", "dash-memd's TLS certificate, PEM (default: an ephemeral self-signed one)", "user",
+               "dash-memd")
+TLS_KEY = Var("DASH_TLS_KEY", "the key of --tls-cert, PEM (default: in the certificate's file)", "user", "dash-memd")
+TLS_CA = Var("DASH_TLS_CA", "CA certificates to also verify dash-memd's certificate and host name with", "user",
+             "dashrun, dash-agent")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
                "all")
 
 ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,
     MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
-    DRAIN_TIMEOUT, PARENT_PID, UPLOAD_QUEUE, MAX_CONNECTIONS, AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE,
-    TOKEN_OUT, CRASH_AT,
+    DRAIN_TIMEOUT, PARENT_PID, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT, IDLE_TIMEOUT,
+    SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, TLS_CERT, TLS_KEY, TLS_CA, CRASH_AT,
 )
 
 
@@ -113,7 +124,7 @@ class PreemptionRecord:
     @classmethod
     def from_json(cls, text: str) -> PreemptionRecord:
         """Raises ValueError for anything that is not a record this version wrote."""
-        raw = json.loads(text)
+        raw = loads_bounded(text)
         if not isinstance(raw, dict):
             raise ValueError("a preemption record is a JSON object")
         deadline, step = raw.get("deadline"), raw.get("step")

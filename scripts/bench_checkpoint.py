@@ -11,7 +11,11 @@ training process, one run. Four variants:
   thread-based checkpointer and default stager, ``FileSystemWriter`` with fsync)
   on a 1-rank gloo group; the previous save's future is awaited before the next;
 * **dashrun** — a real ``dash-memd`` and a real ``dash-agent`` as processes, and
-  ``dashrun.Checkpointer`` in this process (``DASH_AGENT_SOCKET``/``DASH_JOB_ID``).
+  ``dashrun.Checkpointer`` in this process (``DASH_AGENT_SOCKET``/``DASH_JOB_ID``),
+  over TLS as dashrun runs by default;
+* **dashrun --no-tls** — the same with another pair of daemons that speak
+  plaintext, so that what TLS costs is measured side by side (RAM commit time,
+  added training time, and their ratio).
 
 And, in the same run, the physical limits of the machine for the same number of
 bytes: memory copy, loopback TCP (receiver in another process, on the other
@@ -86,6 +90,11 @@ FIRST_STEP = 1000
 TARGET_STALL_MS_PER_GIB = 10.0
 TARGET_ADDED_PCT_OF_TORCH_SAVE = 10.0
 TARGET_RAM_COMMIT_OVER_LIMIT = 1.5
+TARGET_TLS_ADDED_OVER_PLAIN = 1.3
+#: The variant of dashrun with --no-tls on both daemons.
+PLAIN_KEY = "dashrun-plain"
+LABELS = {"torch.save": "torch.save + fsync", "dcp": "DCP async_save", "dashrun": "dashrun",
+          PLAIN_KEY: "dashrun --no-tls"}
 
 
 # --- placement ------------------------------------------------------------------------
@@ -546,12 +555,14 @@ class Dashrun(Variant):
     key = "dashrun"
 
     def __init__(self, model, optimizer, interval: int, directory: Path, procs: Processes, core: int,
-                 agent_core: int | None = None):
+                 agent_core: int | None = None, *, plaintext: bool = False):
         super().__init__()
         self.model, self.optimizer, self.interval, self.dir = model, optimizer, interval, directory
         self.procs, self.core = procs, core
         self.agent_core = core if agent_core is None else agent_core
-        self.job = "bench"
+        self.plaintext = plaintext  # both daemons and the waiting clients with --no-tls
+        self.key = PLAIN_KEY if plaintext else Dashrun.key
+        self.job = "bench-plain" if plaintext else "bench"
         self.memd = self.agent = None
         self.ckpt = None
         self._waiters = concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="bench-wait")
@@ -568,7 +579,9 @@ class Dashrun(Variant):
         from dashrun import env
         from dashrun.util.tokens import write_token
         from dashrun.wire.memd_client import MemdClient
+        from dashrun.wire.tls import TlsSettings
 
+        tls = TlsSettings(plaintext=self.plaintext)
         self.dir.mkdir(parents=True, exist_ok=True)
         token_file = self.dir / "token"
         token = write_token(token_file)
@@ -577,18 +590,20 @@ class Dashrun(Variant):
         self.memd = self.procs.start_daemon("dash-memd", pinned(
             [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
              str(self.dir / "memd-data"), "--memory-limit", "4GiB", "--token-file", str(token_file),
-             "--ready-file", str(ready)], self.core), ready=daemon.file_written(ready), log=self.memd_log, cwd=REPO,
+             "--ready-file", str(ready), *tls.args()], self.core), ready=daemon.file_written(ready), log=self.memd_log,
+            cwd=REPO,
             env=child_env())
         host, port = ready.read_text().strip().rsplit(":", 1)
         sock_path = self.dir / "agent.sock"
         self.agent_log = self.dir / "agent.log"
         self.agent = self.procs.start_daemon("dash-agent", pinned(
             [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
-             "--socket", str(sock_path)], self.agent_core), ready=daemon.accepting(sock_path), log=self.agent_log,
+             "--socket", str(sock_path), *tls.args()], self.agent_core), ready=daemon.accepting(sock_path),
+            log=self.agent_log,
             cwd=REPO, env=child_env())
         os.environ[env.AGENT_SOCKET.name] = str(sock_path)
         os.environ[env.JOB_ID.name] = self.job
-        self._clients = [MemdClient(host, int(port), token, timeout=120) for _ in range(3)]
+        self._clients = [MemdClient(host, int(port), token, timeout=120, tls=tls) for _ in range(3)]
         self._ram_client, self._disk_client, self._info_client = self._clients
         self.ckpt = dashrun.Checkpointer(model=self.model, optimizer=self.optimizer, interval=self.interval)
 
@@ -883,13 +898,30 @@ def summarise(key: str, variant: Variant, run: dict) -> dict:
         s["async_save_median_s"] = med(r.get("async_save_s") for r in saves)
         s["waited_previous_max_s"] = max((r.get("waited_previous_s") or 0.0 for r in saves), default=None)
         s["still_writing_at_block_end_median_s"] = med(r.get("still_writing_at_block_end_s") for r in saves)
-    if key == "dashrun":
+    if key in ("dashrun", PLAIN_KEY):
         s["save_call_median_s"] = med(r.get("save_call_s") for r in saves)
         s["hook_wait_median_s"] = med((r["stall_s"] - r["save_call_s"]) for r in saves if "stall_s" in r)
         s["copied_median_s"] = med(r.get("copied_s") for r in saves)
         s["ram_median_s"] = med(r.get("ram_s") for r in saves)
         s["agent_ack_median_s"] = med(r.get("agent_ack_s") for r in saves)
     return s
+
+
+def tls_cost(tls: dict, plain: dict, ratios: dict) -> None:
+    """What TLS costs dashrun: its added training time and RAM commit time over those of --no-tls, printed."""
+    added, added_plain = tls["added_per_checkpoint_s"], plain["added_per_checkpoint_s"]
+    if added is not None and added_plain and added_plain > 0:
+        ratio = added / added_plain
+        ratios["tls_added_over_plain"] = ratio
+        if tls["added_stderr_s"] is not None and plain["added_stderr_s"] is not None and added:
+            ratios["tls_added_over_plain_stderr"] = abs(ratio) * math.hypot(tls["added_stderr_s"] / added,
+                                                                            plain["added_stderr_s"] / added_plain)
+    if tls["ram_median_s"] and plain["ram_median_s"]:
+        ratios["tls_ram_commit_over_plain"] = tls["ram_median_s"] / plain["ram_median_s"]
+    print(f"TLS against --no-tls: committed in dash-memd RAM after {fmt_ms(tls['ram_median_s'])} against "
+          f"{fmt_ms(plain['ram_median_s'])} ({ratios.get('tls_ram_commit_over_plain', float('nan')):.2f}x); added "
+          f"training time per checkpoint {fmt_ms(added)} against {fmt_ms(added_plain)} "
+          f"({ratios.get('tls_added_over_plain', float('nan')):.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -903,8 +935,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoints per variant before measuring (default 3: dash-memd's buffer pool needs "
                              "keep-ram + 1 buffers before it stops allocating; minimum 2)")
     parser.add_argument("--batch", type=int, default=32, help="batch size of the MLP (default 32)")
-    parser.add_argument("--variants", default="torch.save,dcp,dashrun",
-                        help="checkpointing variants to run besides the baseline (default: all three)")
+    parser.add_argument("--variants", default=f"torch.save,dcp,dashrun,{PLAIN_KEY}",
+                        help=f"checkpointing variants to run besides the baseline (default: all four; "
+                             f"{PLAIN_KEY} is dashrun with --no-tls)")
     parser.add_argument("--json", metavar="OUT", help="write every number here")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the scratch directory (logs of dash-memd...)")
     parser.add_argument("--no-s3", action="store_true",
@@ -918,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be a positive multiple of --interval")
     args.warmup = max(2, args.warmup)
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(wanted) - {"torch.save", "dcp", "dashrun"}
+    unknown = set(wanted) - set(LABELS)
     if unknown:
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
 
@@ -995,20 +1028,22 @@ def run(args, wanted, train_core, side_core, separate, procs, scratch, log) -> i
         variants.append(TorchSave(model, optimizer, args.interval, scratch / "torchsave"))
     if "dcp" in wanted:
         variants.append(DcpAsyncSave(model, optimizer, args.interval, scratch / "dcp"))
-    dash: Dashrun | None = None
-    if "dashrun" in wanted:
-        dash = Dashrun(model, optimizer, args.interval, scratch / "dash", procs, side_core, agent_core)
-        variants.append(dash)
+    dashes = [Dashrun(model, optimizer, args.interval, scratch / key, procs, side_core, agent_core,
+                      plaintext=key == PLAIN_KEY) for key in ("dashrun", PLAIN_KEY) if key in wanted]
+    variants += dashes
     try:
         for v in variants:
             v.setup()
-        named = {"dash-memd": dash.memd.pid, "dash-agent": dash.agent.pid} if dash else {}
-        if dash:
-            log(f"dash-memd pid {dash.memd.pid}, dash-agent pid {dash.agent.pid} (logs in {dash.dir})")
+        named = {}
+        for dash in dashes:
+            suffix = " (--no-tls)" if dash.plaintext else ""
+            named.update({f"dash-memd{suffix}": dash.memd.pid, f"dash-agent{suffix}": dash.agent.pid})
+            log(f"{LABELS[dash.key]}: dash-memd pid {dash.memd.pid}, dash-agent pid {dash.agent.pid} "
+                f"(logs in {dash.dir})")
         log("training:")
         run_ = interleave(trainer, variants, interval=args.interval, warmup_rounds=args.warmup, rounds=rounds,
                           monitor=CpuMonitor(named), train_core=train_core, log=log)
-        if dash:
+        for dash in dashes:
             dash.finish()
         results = {v.key: v.result() for v in variants}
         summary = {v.key: summarise(v.key, v, run_) for v in variants}
@@ -1026,7 +1061,7 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
 
     state_bytes = mdesc["state_bytes"]
     rounds = args.steps // args.interval
-    ck_bytes = (results.get("dashrun") or {}).get("checkpoint_bytes") or state_bytes
+    ck_bytes = (results.get("dashrun") or results.get(PLAIN_KEY) or {}).get("checkpoint_bytes") or state_bytes
     mem_t = ck_bytes / limits["memcpy"]["bandwidth"]
     tcp_t = ck_bytes / limits["loopback_tcp"]["bandwidth"]
     disk_t = ck_bytes / limits["disk"]["bandwidth"]
@@ -1036,11 +1071,11 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
     print(f"baseline (no checkpointing): {base['blocks']} blocks of {args.interval} steps, {base['block_mean_s']:.2f}s "
           f"per block on average (so {args.steps} steps in {base['block_mean_s'] * rounds:.2f}s), median step "
           f"{base['step_median_s'] * 1e3:.0f} ms")
-    for key in ("torch.save", "dcp", "dashrun"):
+    for key in LABELS:
         if key not in summary:
             continue
         s = summary[key]
-        label = {"torch.save": "torch.save + fsync", "dcp": "DCP async_save", "dashrun": "dashrun"}[key]
+        label = LABELS[key]
         se = f" ± {fmt_ms(s['added_stderr_s'])} s.e." if s["added_stderr_s"] is not None else ""
         print(f"{label}: stall per checkpoint median {fmt_ms(s['stall_median_s'])} (mean {fmt_ms(s['stall_mean_s'])},"
               f" max {fmt_ms(s['stall_max_s'])}); added training time per checkpoint "
@@ -1057,8 +1092,8 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
             print(f"  async_save() blocks {fmt_ms(s['async_save_median_s'])}; wait for the previous future at most "
                   f"{fmt_ms(s['waited_previous_max_s'])}; still writing at the end of its block (awaited untimed): "
                   f"median {fmt_ms(s['still_writing_at_block_end_median_s'])}")
-        if key == "dashrun":
-            r = results["dashrun"]
+        if key in ("dashrun", PLAIN_KEY):
+            r = results[key]
             print(f"  stall = save() {fmt_ms(s['save_call_median_s'])} + optimizer-hook wait "
                   f"{fmt_ms(s['hook_wait_median_s'])} (medians); ckpt.stats over the measured blocks: "
                   f"{fmt_ms(r['stats_stall_measured_s'] / max(1, r['snapshots_measured']))} per snapshot; "
@@ -1069,9 +1104,12 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
                   f"({fmt_bw(ck_bytes, s['ram_median_s'])}), agent's ack to the rank {fmt_ms(s['agent_ack_median_s'])},"
                   f" on disk {fmt_ms(s['on_disk_median_s'])} ({fmt_bw(ck_bytes, s['on_disk_median_s'])})")
             n = max(1, r["snapshots_measured"])
-            print("  CPU time per checkpoint (whole measured phase / dashrun checkpoints): " + ", ".join(
-                f"{k} {cpu['ours_s'][k] / n * 1e3:.0f} ms" for k in ("dash-agent", "dash-memd", "rank staging thread")
-                if k in cpu["ours_s"]))
+            suffix = " (--no-tls)" if key == PLAIN_KEY else ""
+            print("  CPU time per checkpoint (whole measured phase / its checkpoints): " + ", ".join(
+                f"{k} {cpu['ours_s'][k] / n * 1e3:.0f} ms" for k in (f"dash-agent{suffix}", f"dash-memd{suffix}")
+                if k in cpu["ours_s"]) + (f"; the rank staging threads of both dashrun variants "
+                                          f"{cpu['ours_s']['rank staging thread'] * 1e3:.0f} ms in all"
+                                          if "rank staging thread" in cpu["ours_s"] else ""))
     print(f"physical limits for {ck_bytes / MiB:.1f} MiB (best of repeats; median in brackets): memcpy "
           f"{fmt_ms(mem_t)} ({limits['memcpy']['bandwidth'] / GiB:.2f} GiB/s; "
           f"{limits['memcpy']['median_bandwidth'] / GiB:.2f}), loopback TCP {fmt_ms(tcp_t)} "
@@ -1116,6 +1154,13 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
             ("dashrun RAM commit / (memcpy + loopback TCP)", ratios.get("ram_commit_over_limit"),
              TARGET_RAM_COMMIT_OVER_LIMIT, "", None),
         ]
+        p = summary.get(PLAIN_KEY)
+        if p is not None:
+            tls_cost(d, p, ratios)
+            checks.append(("dashrun added training time per checkpoint, TLS / --no-tls",
+                           ratios.get("tls_added_over_plain"), TARGET_TLS_ADDED_OVER_PLAIN,
+                           f"{fmt_ms(d['added_per_checkpoint_s'])} / {fmt_ms(p['added_per_checkpoint_s'])}",
+                           ratios.get("tls_added_over_plain_stderr")))
         ratios["targets"] = {}
         print()
         print("targets:")
@@ -1152,9 +1197,11 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
         s = summary["dcp"]
         md.append(f"| DCP `async_save` | {fmt_ms(s['stall_median_s'])} | {fmt_ms(s['added_per_checkpoint_s'])} "
                   f"| – | {fmt_ms(s['on_disk_median_s'])} |")
-    if "dashrun" in summary:
-        s = summary["dashrun"]
-        md.append(f"| **dashrun** | {fmt_ms(s['stall_median_s'])} | {fmt_ms(s['added_per_checkpoint_s'])} | "
+    for key, label in (("dashrun", "**dashrun**"), (PLAIN_KEY, "dashrun `--no-tls`")):
+        if key not in summary:
+            continue
+        s = summary[key]
+        md.append(f"| {label} | {fmt_ms(s['stall_median_s'])} | {fmt_ms(s['added_per_checkpoint_s'])} | "
                   f"{fmt_ms(s['ram_median_s'])} ({fmt_bw(ck_bytes, s['ram_median_s'])}) | "
                   f"{fmt_ms(s['on_disk_median_s'])} ({fmt_bw(ck_bytes, s['on_disk_median_s'])}) |")
     md.append(f"| physical limit | – | – | {fmt_ms(mem_t + tcp_t)} (memcpy {fmt_bw(ck_bytes, mem_t)}, then "

@@ -18,6 +18,7 @@ from dashrun.errors import UnavailableError
 from dashrun.util import daemon
 from dashrun.util.tokens import write_token
 from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.tls import TlsSettings
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "bin" / "train.py"
@@ -114,7 +115,13 @@ class Memd:
         ready.unlink()
         return self
 
+    @property
+    def tls_args(self) -> list[str]:
+        """The options a client of this dash-memd needs: --no-tls if it was started with it."""
+        return ["--no-tls"] if "--no-tls" in self.extra else []
+
     def client(self, **kwargs) -> MemdClient:
+        kwargs.setdefault("tls", TlsSettings(plaintext=bool(self.tls_args)))
         return MemdClient(self.host, self.port, self.token, **kwargs)
 
     def stop(self) -> int | None:
@@ -149,7 +156,7 @@ def memd(memd_factory) -> Memd:
 
 def dashrun_cmd(memd: Memd, *args: str, job: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(memd.token_file),
-            "--job-id", job, "--nproc-per-node", str(nproc), *args]
+            *memd.tls_args, "--job-id", job, "--nproc-per-node", str(nproc), *args]
 
 
 class Agent:
@@ -160,7 +167,7 @@ class Agent:
         try:
             self.proc = daemon.start(
                 [sys.executable, "-m", "dashrun.agent", "--memd", memd.address, "--token-file", str(memd.token_file),
-                 "--socket", str(socket_path), "--memd-timeout", "10", "--drain-timeout", "10"],
+                 "--socket", str(socket_path), "--memd-timeout", "10", "--drain-timeout", "10", *memd.tls_args],
                 ready=daemon.accepting(socket_path), what="dash-agent", log=log_path, timeout=30,
                 env={**os.environ, **(env or {})})
         except UnavailableError as e:
@@ -222,3 +229,70 @@ def reference(tmp_path_factory) -> dict[int, dict]:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return final_states(out)
+
+
+@pytest.fixture
+def fleet_factory():
+    """``fleet_factory(count)``: nodes in network namespaces on a bridge (tests/netns.py), removed after the test;
+    the test is skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
+    from netns import Fleet, unavailable
+
+    made: list[Fleet] = []
+
+    def make(count: int = 1) -> Fleet:
+        reason = unavailable()
+        if reason:
+            pytest.skip(reason)
+        fleet = Fleet(count)
+        made.append(fleet)
+        return fleet.__enter__()
+
+    yield make
+    for fleet in made:
+        fleet.close()
+
+
+class SmallFs:
+    """A size-limited file system (tmpfs) mounted at ``path``; ``resize`` remounts it with another size."""
+
+    def __init__(self, path: Path, size: str):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], check=True,
+                       capture_output=True, timeout=30)
+
+    def resize(self, size: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True, capture_output=True,
+                       timeout=30)
+
+    def fill(self) -> Path:
+        """Write a file that takes every byte left; deleting it gives the space back."""
+        filler = self.path / "filler"
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                while f.write(b"\0" * (64 << 10)):
+                    pass
+            except OSError:  # no space left
+                pass
+        return filler
+
+    def unmount(self) -> None:
+        if subprocess.run(["umount", str(self.path)], capture_output=True, timeout=30).returncode:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=30)  # still in use: detach
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``small_fs(size)``: a tmpfs of ``size`` (mount's units: ``4m``), always unmounted; skips unless root."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a size-limited file system needs root and mount(8)")
+    mounted: list[SmallFs] = []
+
+    def make(size: str) -> SmallFs:
+        fs = SmallFs(tmp_path / f"small-fs-{len(mounted)}", size)
+        mounted.append(fs)
+        return fs
+
+    yield make
+    for fs in mounted:
+        fs.unmount()

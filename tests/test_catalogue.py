@@ -178,3 +178,107 @@ def test_a_state_changes_only_forward_through_the_checked_transition():
         entry.advance(State.COMMITTED)
     assert entry.state == State.ON_DISK
     assert Entry("job", 2, 1, 64, "ab" * 32, state=State.IN_OBJECT_STORE).state == State.IN_OBJECT_STORE
+
+
+class DiskWithAHook(DiskTier):
+    """The disk tier, running ``during_put`` once as the next write begins (the disk writer's thread is busy)."""
+
+    during_put = None
+
+    def put(self, info, shards, **kwargs):
+        hook, self.during_put = self.during_put, None
+        if hook is not None:
+            hook()
+        return super().put(info, shards, **kwargs)
+
+
+@pytest.mark.parametrize("keep", [0, 1], ids=["rm", "gc"])
+def test_a_step_deleted_while_it_is_written_to_disk_stays_deleted(tmp_path, keep):
+    cat = Catalogue(RamTier(1 << 20), DiskWithAHook(tmp_path / "d"), keep_ram=2, keep_disk=3)
+    for step in (1, 2):
+        for header in headers(step=step):
+            deliver(cat, header)
+    cat.disk.during_put = lambda: cat.delete("j", keep)  # rm, or gc --keep 1: step 1 goes while it is written
+    assert cat.persist_next(timeout=0)
+    assert not cat.disk.step_dir("j", 1).exists()
+    while cat.persist_next(timeout=0):
+        pass
+    reborn = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"))
+    reborn.load_disk()
+    assert sorted(reborn.ledger.committed.get("j", {})) == ([] if keep == 0 else [2])
+
+
+def test_rm_removes_every_copy_of_the_job_on_disk_also_one_the_catalogue_forgot(tmp_path):
+    cat = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"), keep_ram=1, keep_disk=3)
+    for step in (3, 4):
+        for header in headers(step=step):
+            deliver(cat, header)
+        cat.persist_next(timeout=0)
+    # A new attempt at step 3 (another layout) replaces the one on disk in the catalogue, and as step 4 is
+    # on disk already it is dropped at once: the catalogue forgets step 3, its old copy stays on disk.
+    for header in headers(step=3, layout="cd" * 32):
+        deliver(cat, header)
+    assert cat.latest("j", 3) is None and cat.disk.step_dir("j", 3).exists()
+    cat.delete("j")
+    reborn = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"))
+    reborn.load_disk()
+    assert reborn.jobs() == []
+
+
+def test_a_late_duplicate_of_a_shard_is_refused_and_what_is_held_stays(cat):
+    first, second = headers()
+    original = cat.begin_shard(first)
+    with pytest.raises(ConflictError, match="being received"):  # a retry while the first copy still arrives
+        cat.begin_shard(first)
+    payload = os.urandom(first.nbytes)
+    original.buffer[:first.nbytes] = payload
+    assert cat.finish_shard(original, crc32c(payload)) is False
+    assert deliver(cat, second)[0] is True
+    used = cat.ram.used
+    with pytest.raises(ConflictError, match="already committed"):  # a zombie node's copy, after the commit
+        cat.begin_shard(first)
+    cat.persist_next(timeout=0)
+    with cat.open_shard("j", 1, 0) as (view, crc):
+        assert bytes(view) == payload and crc == crc32c(payload)
+    assert cat.ram.used == used
+    held = [id(buf) for buf in cat.ledger.committed["j"][1].buffers.values()]
+    assert not set(held) & {id(buf) for bufs in cat.ram._free.values() for buf in bufs}
+
+
+def test_a_shard_sent_again_before_the_commit_replaces_the_first_and_never_frees_a_committed_buffer(cat):
+    first, second = headers()
+    deliver(cat, first)                   # rank 0 arrived; then its agent, unsure, sends it again
+    again = cat.begin_shard(first)
+    payload = os.urandom(first.nbytes)
+    again.buffer[:first.nbytes] = payload
+    committed, _ = deliver(cat, second)   # the checkpoint commits with rank 0's first copy meanwhile
+    assert committed
+    used = cat.ram.used
+    with cat.open_shard("j", 1, 0) as (view, crc):
+        before = bytes(view)
+    assert cat.finish_shard(again, crc32c(before)) is True  # the same shard: it is stored
+    assert cat.ram.used == used - len(again.buffer)         # its own buffer went back, not a committed one
+    with cat.open_shard("j", 1, 0) as (view, crc):
+        assert bytes(view) == before and crc32c(before) == crc
+    other = cat.begin_shard(headers(step=2)[0])              # reused buffers are not the committed ones
+    assert all(other.buffer is not buf for buf in cat.ledger.committed["j"][1].buffers.values())
+    cat.abort_shard(other)
+
+
+def test_a_new_attempt_at_a_step_that_never_committed_commits(cat):
+    first, second = headers(step=7)
+    deliver(cat, first)                   # a rank died before sending: the job restarts at the same step
+    fresh = [deliver(cat, header)[1] for header in (first, second)]
+    assert cat.latest("j").step == 7
+    with cat.open_shard("j", 7, 0) as (view, _):
+        assert bytes(view) == fresh[0]
+    assert cat.ram.used == sum(len(b) for b in cat.ledger.committed["j"][7].buffers.values())
+
+
+def test_a_receive_that_finds_no_room_leaves_no_empty_entry(tmp_path):
+    cat = Catalogue(RamTier(40_000), DiskTier(tmp_path / "d"), keep_ram=5, keep_disk=5)
+    for header in headers(step=1, rep_total=8192) + headers(step=2, rep_total=8192):
+        deliver(cat, header)
+    with pytest.raises(NoSpaceError):
+        cat.begin_shard(headers(step=3, rep_total=8192)[0])
+    assert cat.jobs()[0]["receiving"] == []

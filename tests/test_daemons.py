@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
+import torch
+from conftest import wait_for
 
 from dashrun import __version__, env
+from dashrun.agent.config import AgentConfig
+from dashrun.agent.restores import RestoreCache
 from dashrun.memd.config import cgroup_memory_limit, default_memory_limit
+from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import Kind
 
 GiB = 1 << 30
 
@@ -31,6 +41,73 @@ def test_agent_stops_cleanly_and_when_its_launcher_dies(memd, agent_factory):
         agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(timeout=60) == 0
     assert not agent.socket_path.exists()
+
+
+def hand_over(link: AgentLink, job: str, step: int):
+    """Hand the agent a fully staged 3000-byte shard, as a rank does; the future of its reply."""
+    fd = os.memfd_create("test-shard")
+    try:
+        os.write(fd, os.urandom(3000))
+        header = ShardHeader(job, step, 0, 1, 2000, 0, 2000, 900, 100, "ab" * 32)
+        return link.request(Kind.SNAPSHOT, {"shard": header.to_body(), "ready": header.nbytes}, fds=[fd])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_the_agent_forgets_finished_connections_and_survives_running_out_of_descriptors(stack, rank_env):
+    """Workers restarting all day: each connection the agent took is closed and forgotten once its rank is gone and
+    its shards are delivered, and running out of descriptors costs the ranks that came then, not the node."""
+    memd, agent = stack
+    proc = psutil.Process(agent.proc.pid)
+    fds, threads = proc.num_fds(), proc.num_threads()
+    proc.rlimit(psutil.RLIMIT_NOFILE, (fds + 48, proc.rlimit(psutil.RLIMIT_NOFILE)[1]))
+    for n in range(1, 301):  # a rank that pings and exits, or hands a shard over and exits (waiting or not)
+        link = AgentLink(str(agent.socket_path), connect_timeout=10)
+        if n % 10 == 0:
+            done = hand_over(link, "churn", n)
+            if n % 20 == 0:
+                done.result(timeout=30)
+        else:
+            link.call(Kind.PING, timeout=10)
+        link.close()
+    # More ranks at once than the agent has descriptors: those it cannot take wait, or are refused.
+    burst = [AgentLink(str(agent.socket_path), connect_timeout=10) for _ in range(96)]
+    for link in burst:
+        link.request(Kind.PING)
+    wait_for(lambda: "Too many open files" in agent.log(), 30, "the agent to run out of descriptors")
+    for link in burst:
+        link.close()
+    wait_for(lambda: proc.num_fds() <= fds + 4 and proc.num_threads() <= threads + 4, 60,
+             "the agent to close and forget every finished connection")
+    with memd.client() as client:
+        wait_for(lambda: client.latest("churn", 300), 30, "the last shard handed over to commit")
+    model = torch.nn.Linear(8, 8)
+    ckpt = rank_env(agent, "after-churn", 0, 1, model=model)
+    assert ckpt.save(0, force=True) and ckpt.wait(60)  # a new rank is served end to end
+    ckpt.close()
+    with memd.client() as client:
+        assert client.latest("after-churn").step == 0
+
+
+def test_a_restore_image_being_sent_stays_open_when_the_cache_drops_it(memd):
+    """The descriptor a rank is being sent is the sender's own: another rank served, or the image expiring, closes
+    the cache's descriptor, never the one on its way (whose number the system could otherwise give to another file)."""
+    payload = os.urandom(3000)
+    header = ShardHeader("leased", 7, 0, 1, 2000, 0, 2000, 900, 100, "ab" * 32)
+    with memd.client() as client:
+        assert client.put_shard(header, [payload])["committed"]
+    cache = RestoreCache(AgentConfig(memd.host, memd.port, memd.token))
+    sending = cache.get("leased", None)
+    other = cache.get("leased", None)  # the node's other rank, served from the same image
+    cache.handed_out(other.image, local_ranks=1)
+    cache.expire(everything=True)
+    with mmap.mmap(sending.fd, os.fstat(sending.fd).st_size, prot=mmap.PROT_READ) as image:
+        assert image[:2000] == payload[:2000]
+        tail = sending.tails[0]
+        assert image[tail:tail + 1000] == payload[2000:]
+    sending.close()
+    other.close()
 
 
 def test_token_command_writes_a_private_token_and_never_overwrites(tmp_path):
@@ -104,6 +181,7 @@ def test_memd_usage_errors_are_one_line_with_exit_code_2(tmp_path, token_file, a
 def test_memd_refuses_a_missing_or_weak_token(tmp_path):
     weak = tmp_path / "weak"
     weak.write_text("short\n")
+    weak.chmod(0o600)  # private, so that its weakness is what is refused
     for token in (tmp_path / "missing", weak):
         result = subprocess.run(memd_cmd("start", "--data-dir", str(tmp_path / "d"), "--token-file", str(token)),
                                 capture_output=True, text=True, timeout=60)

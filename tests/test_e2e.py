@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, kill_tree, wait_for
-from runs import assert_identical, last_step, starts
+from runs import assert_identical, final_states, last_step, starts
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +119,41 @@ def test_memd_killed_during_a_disk_write(memd_factory, tmp_path, reference, poin
     with restarted.client() as client:
         assert client.latest("memd-crash").step == STEPS - 1
     assert_identical(reference, out)
+
+
+BN_ARGS = ["--model", "bn", "--steps", "20", "--interval", str(INTERVAL)]
+
+
+@pytest.fixture(scope="module")
+def bn_reference(tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted run of the BatchNorm model under plain torchrun."""
+    out = tmp_path_factory.mktemp("bn-reference")
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN), *BN_ARGS,
+                  "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return final_states(out)
+
+
+def test_ddp_batchnorm_statistics_resume_bit_identical(memd, tmp_path, bn_reference):
+    """The statistics differ between the DDP ranks after each forward and span both ranks' slices of the
+    replicated state: a checkpoint holds rank 0's, which DDP broadcasts at the next forward, not a mix of both."""
+    out = tmp_path / "out"
+    cmd = dashrun_cmd(memd, str(TRAIN), *BN_ARGS, "--out", str(out), "--delay", "0.2", job="bn")
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with memd.client() as client:
+            def committed() -> int:
+                info = client.latest("bn")
+                return -1 if info is None else info.step
+
+            wait_for(lambda: launcher.poll() is not None or committed() >= 9, 180, "step 9 to be committed")
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == -9, "the run finished before it could be killed"
+    with memd.client() as client:
+        committed = client.latest("bn")
+
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert starts(out) == [0, committed.step + 1]
+    assert_identical(bn_reference, out)

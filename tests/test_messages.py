@@ -6,9 +6,12 @@ were typed, so the wire does not change); every field a peer sends is checked.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
-from dashrun.errors import ProtocolError
+from dashrun.errors import AuthError, ProtocolError
 from dashrun.wire.agent_messages import (
     Progress,
     RestoreReply,
@@ -18,7 +21,7 @@ from dashrun.wire.agent_messages import (
     WaitReply,
     WaitRequest,
 )
-from dashrun.wire.messages import CheckpointInfo, Notice, NoticeKind, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, NoticeKind, ShardHeader
 
 LAYOUT = "ab" * 32
 
@@ -96,3 +99,26 @@ def test_one_notice_type_from_the_pollers_to_the_ranks():
 def test_a_notice_a_peer_made_up_is_refused(body):
     with pytest.raises(ProtocolError):
         Notice.from_body(body)
+
+
+def test_a_launch_spec_is_signed_for_its_job_under_the_token_and_verified_after_a_round_trip():
+    token, other = b"t" * 32, b"o" * 32
+    spec = JobSpec(("--nproc-per-node", "2", "train.py", "--lr", "3e-4"), "/work", "node-1", 1.7e9 + 0.123)
+    signed = spec.signed("gpt-1", token)
+    assert len(signed.mac) == 64 and not spec.mac
+    again = JobSpec.from_body(json.loads(json.dumps(signed.to_body())))  # as stored on disk or in the bucket
+    assert again == signed
+    again.verify("gpt-1", token)
+    with pytest.raises(AuthError, match="not signed"):  # stored before specs were signed
+        JobSpec.from_body(spec.to_body()).verify("gpt-1", token)
+    for forged in (signed.signed("gpt-1", other),                                    # another cluster's token
+                   dataclasses.replace(signed, argv=("train.py", "--evil")),          # the command changed
+                   dataclasses.replace(signed, cwd="/tmp"),                            # the directory changed
+                   dataclasses.replace(signed, created=signed.created + 1e-6)):
+        with pytest.raises(AuthError, match="valid MAC"):
+            forged.verify("gpt-1", token)
+    with pytest.raises(AuthError, match="valid MAC"):  # another job's valid spec, copied over
+        signed.verify("gpt-2", token)
+    for mac in ("", "zz" * 32, "ab" * 31, 5):
+        with pytest.raises(ProtocolError):
+            JobSpec.from_body({**signed.to_body(), "mac": mac})

@@ -19,6 +19,7 @@ from dashrun.errors import ChecksumError, UnavailableError
 from dashrun.memd.catalogue import Catalogue, State
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.memd.tiers.object import ObjectTier
+from dashrun.memd.tombstones import TOMBSTONES
 from dashrun.wire.messages import JobSpec
 from dashrun.wire.protocol import crc32c
 
@@ -141,6 +142,43 @@ def test_rm_and_gc_reach_the_bucket(s3_bucket, tmp_path):
     cat.delete("j")
     drain(cat)
     assert s3_bucket.keys() == []
+
+
+def test_rm_before_the_first_listing_deletes_the_buckets_copies_too(s3_bucket, tmp_path):
+    first = make_catalogue(tmp_path, s3_bucket.url())
+    drain(first)
+    first.put_spec("j", JobSpec(argv=("t.py",), cwd="/w", host="n1", created=1.0))
+    for step in (1, 2):
+        checkpoint(first, step)
+        drain(first)
+    first.close()
+    # dash-memd starts on an empty data dir, and `rm` (or a launch with --fresh) comes before it listed the bucket.
+    reborn = make_catalogue(tmp_path, s3_bucket.url(), name="empty")
+    assert reborn.delete("j") == []
+    assert reborn.latest("j") is None  # deleted: nothing to wait for
+    drain(reborn)
+    assert reborn.latest("j") is None and reborn.spec("j") is None
+    assert s3_bucket.keys() == []
+
+
+@pytest.mark.parametrize("keep", [0, 1], ids=["rm", "gc"])
+def test_a_deletion_the_bucket_has_not_caught_up_with_survives_a_restart(s3_bucket, tmp_path, keep):
+    cat = make_catalogue(tmp_path, s3_bucket.url())
+    drain(cat)
+    cat.put_spec("j", JobSpec(argv=("t.py",), cwd="/w", host="n1", created=1.0))
+    for step in (1, 2):
+        checkpoint(cat, step)
+        drain(cat)
+    assert cat.delete("j", keep) == [1, 2][:2 - keep]
+    cat.close()  # dash-memd stops, or dies, before its uploader deleted anything from the bucket
+    reborn = make_catalogue(tmp_path, s3_bucket.url())
+    drain(reborn)
+    assert sorted(reborn.ledger.committed.get("j", {})) == [2][:keep]
+    assert steps_in_bucket(s3_bucket) == [2][:keep] and (reborn.spec("j") is None) == (keep == 0)
+    assert not (tmp_path / "data" / TOMBSTONES).exists()  # the bucket caught up
+    checkpoint(reborn, 3)                                 # what the job commits afterwards is not deleted
+    drain(reborn)
+    assert steps_in_bucket(s3_bucket) == [2, 3][1 - keep:]
 
 
 def test_a_full_upload_queue_drops_its_oldest(s3_bucket, tmp_path):

@@ -8,11 +8,15 @@ import socket
 import struct
 import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
+from dashrun.util.boundedjson import MAX_DEPTH, check_depth, loads_bounded
 from dashrun.wire import protocol
 from dashrun.wire.channel import CHUNK, Channel, peer_on_this_machine
 from dashrun.wire.messages import CheckpointInfo, ShardHeader
@@ -67,6 +71,109 @@ def test_body_must_be_a_checked_json_object():
         bad_header = decode_header(encode_header(Kind.PING, bad), max_body=100, max_data=0)
         with pytest.raises(ProtocolError):
             decode_body(bad_header, bad)
+
+
+def _decode(raw: bytes) -> dict:
+    header = decode_header(encode_header(Kind.PING, raw), max_body=MAX_BODY, max_data=0)
+    return decode_body(header, raw)
+
+
+def _nested(depth: int, shape: str) -> dict:
+    """A body ``depth`` levels deep (the body itself is one): lists, objects, or both in turn, around a null."""
+    value = None
+    for level in range(depth - 1):
+        as_list = shape == "lists" or (shape == "both" and level % 2)
+        value = [value] if as_list else {"k": value}
+    return {"a": value}
+
+
+def test_json_nesting_deeper_than_64_is_refused_before_parsing():
+    assert MAX_DEPTH == 64
+    for shape in ("lists", "objects", "both"):
+        fits, too_deep = _nested(64, shape), _nested(65, shape)
+        assert (_depth(fits), _depth(too_deep)) == (64, 65)
+        assert _decode(json.dumps(fits).encode()) == fits
+        assert loads_bounded(json.dumps(fits)) == fits
+        with pytest.raises(ProtocolError, match="deeper than 64"):
+            _decode(json.dumps(too_deep).encode())
+        with pytest.raises(ValueError, match="deeper than 64"):
+            loads_bounded(json.dumps(too_deep, indent=1))
+
+
+def test_brackets_inside_strings_do_not_count_and_escapes_end_strings_where_json_does():
+    deep_text = "[" * 5000 + "{" * 5000
+    for body in ({"a": deep_text}, {deep_text: 1}, {"a": '\\"' + deep_text, "b": '\\'},
+                 {"a": ["\\", deep_text, '"', "]" * 100]}):
+        raw = json.dumps(body).encode()
+        assert _decode(raw) == body
+        assert _decode(json.dumps(body, ensure_ascii=False).encode()) == body
+    # A string ending in an escaped backslash ends there: what follows is structure, and counts.
+    hidden = b'{"a":"x\\\\","b":' + b"[" * 70 + b"]" * 70 + b"}"
+    assert json.loads(hidden)["a"] == "x\\"
+    with pytest.raises(ProtocolError, match="deeper than 64"):
+        _decode(hidden)
+    # An escaped quote does not end a string: the brackets after it are text.
+    quoted = b'{"a":"\\"' + b"[" * 70 + b'"}'
+    assert _decode(quoted) == {"a": '"' + "[" * 70}
+    # A string that never closes (invalid anyway) leaves its brackets counted: refused as too deep.
+    with pytest.raises(ProtocolError, match="deeper than 64"):
+        _decode(b'{"a":"' + b"[" * 70)
+
+
+def test_four_kib_of_open_brackets_is_refused_without_recursing():
+    """The pre-auth attack: a whole 4 KiB body of ``[``, decoded on a thread with a 64 KiB stack.
+
+    Run in a child process: before the depth was bounded, the parser recursed 4096 levels
+    deep and overflowed such a stack (SIGSEGV), or raised RecursionError where it did not.
+    """
+    code = textwrap.dedent("""
+        import threading
+        from dashrun.errors import ProtocolError
+        from dashrun.wire.protocol import MAX_BODY_PREAUTH, Kind, decode_body, decode_header, encode_header
+        bomb = b"[" * MAX_BODY_PREAUTH
+        header = decode_header(encode_header(Kind.AUTH, bomb), max_body=MAX_BODY_PREAUTH, max_data=0)
+        result = []
+        def attack():
+            try:
+                decode_body(header, bomb)
+            except ProtocolError as e:
+                result.append(str(e))
+        threading.stack_size(64 << 10)
+        thread = threading.Thread(target=attack)
+        thread.start()
+        thread.join()
+        print(result)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
+    assert out.stdout.strip() == "['body nests JSON deeper than 64 levels']", out.stdout
+
+
+def _depth(value) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    return 0
+
+
+_TRICKY_TEXT = st.text(alphabet='[]{}"\\ab\n\u00e9\U0001f600', max_size=8)
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | _TRICKY_TEXT,
+                     lambda children: st.lists(children, max_size=3) | st.dictionaries(_TRICKY_TEXT, children,
+                                                                                      max_size=3),
+                     max_leaves=40)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(value=_JSON, limit=st.integers(0, 12), ensure_ascii=st.booleans(), indent=st.sampled_from([None, 1]))
+def test_the_depth_scan_agrees_with_the_parsed_document(value, limit, ensure_ascii, indent):
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+    if _depth(value) > limit:
+        with pytest.raises(ValueError, match="deeper than"):
+            check_depth(text, limit)
+    else:
+        check_depth(text, limit)
+        assert loads_bounded(text.encode(), limit) == value
 
 
 @pytest.mark.parametrize("job", ["../x", "..", "", ".hidden", "a/b", "a\x00b", "x" * 129, 5, None, "é"])

@@ -1,16 +1,21 @@
 """One conformance suite, run against every tier (RAM, disk, object storage)."""
 
 import ctypes
+import json
 import mmap
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from dashrun.errors import NotFoundError
+from dashrun.errors import ChecksumError, NotFoundError
 from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.tiers import disk as disk_tier
 from dashrun.memd.tiers.object import ObjectTier
 from dashrun.util.files import write_new
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
@@ -30,6 +35,15 @@ def make_checkpoint(job="job-a", step=10, world=3, rep_total=3000, tail=100):
         shards.append(ShardHeader(job, step, rank, world, rep_total, cut[rank], cut[rank + 1], tail - 20, 20,
                                   LAYOUT, crc=crc32c(payload)))
     return CheckpointInfo(job, step, world, rep_total, LAYOUT, time.time(), tuple(shards)), data
+
+
+def flip_byte(path, at: int = 5) -> None:
+    """Damage a file without changing its size."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def resident_pages(mapped: mmap.mmap) -> int:
@@ -161,17 +175,14 @@ class TestDiskTier(TierConformance):
 
     def test_corrupt_or_partial_checkpoints_are_reported_not_loaded(self, tmp_path):
         disk = DiskTier(tmp_path / "d")
-        for step in (1, 2, 3, 4):
+        for step in (1, 2, 3, 4, 7):
             info, data = make_checkpoint(step=step)
             disk.put(info, [memoryview(d) for d in data])
-        step_dir = disk.step_dir("job-a", 2)
-        with open(step_dir / "rank-00001.bin", "r+b") as f:  # flip one byte
-            f.seek(5)
-            byte = f.read(1)
-            f.seek(5)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(disk.step_dir("job-a", 2) / "rank-00001.bin")
         (disk.step_dir("job-a", 3) / "rank-00002.bin").unlink()
         (disk.step_dir("job-a", 4) / "MANIFEST.json").write_text("{not json")
+        with open(disk.step_dir("job-a", 7) / "rank-00000.bin", "ab") as f:
+            f.write(b"!")
         info, data = make_checkpoint(step=5)
         disk.put(info, [memoryview(d) for d in data])
         manifest = disk.step_dir("job-a", 5) / "MANIFEST.json"
@@ -179,9 +190,12 @@ class TestDiskTier(TierConformance):
         leftover = disk.jobs / "job-a" / ".tmp-0000000000000006-deadbeef"
         leftover.mkdir()
         found, problems = DiskTier(tmp_path / "d").scan_report()
-        assert [i.step for i in found] == [1]
+        # The scan reads manifests and sizes only: damage of the same size shows when the bytes are read.
+        assert [i.step for i in found] == [1, 2]
+        with pytest.raises(ChecksumError, match="checksum"):
+            disk.check(found[1].shards[1])
         text = "\n".join(problems)
-        assert "0000000000000002: corrupt" in text and "checksum" in text
+        assert "0000000000000007: corrupt" in text and "wrong size" in text
         assert "0000000000000003: incomplete" in text
         assert "0000000000000004: corrupt" in text and "0000000000000005: corrupt" in text
         assert "interrupted write" in text and not leftover.exists()
@@ -247,6 +261,78 @@ class TestDiskTier(TierConformance):
         info, data = make_checkpoint()
         disk.put(info, [memoryview(d) for d in data])
         assert oct(os.stat(disk.step_dir(info.job, info.step) / "rank-00000.bin").st_mode & 0o777) == "0o600"
+
+    def test_bytes_read_with_their_header_are_checked_first(self, tmp_path):
+        disk = DiskTier(tmp_path / "d")
+        info, data = make_checkpoint()
+        disk.put(info, [memoryview(d) for d in data])
+        flip_byte(disk.step_dir(info.job, info.step) / "rank-00001.bin")
+        with pytest.raises(ChecksumError, match="rank 1 on disk fails its checksum"):
+            with disk.open(info.job, info.step, 1, shard=info.shards[1]):
+                pass
+        with disk.open(info.job, info.step, 0, shard=info.shards[0]) as view:  # the other ranks are fine
+            assert view == data[0]
+        with open(disk.step_dir(info.job, info.step) / "rank-00002.bin", "ab") as f:
+            f.write(b"!")
+        with pytest.raises(ChecksumError, match="wrong size"):
+            disk.check(info.shards[2])
+
+    def test_a_quarantined_copy_is_moved_aside_kept_and_counted(self, tmp_path):
+        disk = DiskTier(tmp_path / "d")
+        for step in (1, 2):
+            info, data = make_checkpoint(step=step)
+            disk.put(info, [memoryview(d) for d in data])
+        moved = disk.quarantine("job-a", 2)
+        assert moved.parent == tmp_path / "d" / "quarantine" / "job-a" and moved.name.startswith(f"{2:016d}-")
+        assert sorted(p.name for p in moved.iterdir()) == ["MANIFEST.json", *(f"rank-{r:05d}.bin" for r in range(3))]
+        assert [i.step for i in disk.scan()] == [1] and disk.quarantined == {"job-a": 1}
+        assert disk.quarantine("job-a", 2) is None                      # nothing left to move
+        assert DiskTier(tmp_path / "d").quarantined == {"job-a": 1}     # counted across restarts
+
+    def test_exchange_swaps_two_directories(self, tmp_path):
+        a, b = tmp_path / "a", tmp_path / "b"
+        a.mkdir()
+        b.mkdir()
+        (a / "from-a").touch()
+        (b / "from-b").touch()
+        if not disk_tier.exchange(a, b):
+            pytest.skip(f"{tmp_path}'s file system has no RENAME_EXCHANGE")
+        assert [p.name for p in a.iterdir()] == ["from-b"] and [p.name for p in b.iterdir()] == ["from-a"]
+
+    def test_a_crash_while_a_step_is_replaced_leaves_it_complete(self, tmp_path):
+        disk = DiskTier(tmp_path / "d")
+        probe = [tmp_path / "x", tmp_path / "y"]
+        for p in probe:
+            p.mkdir()
+        if not disk_tier.exchange(*probe):
+            pytest.skip(f"{tmp_path}'s file system has no RENAME_EXCHANGE")
+        old, old_data = make_checkpoint(step=4)
+        disk.put(old, [memoryview(d) for d in old_data])
+        new, new_data = make_checkpoint(step=4)
+        (tmp_path / "new.json").write_text(json.dumps(new.to_body()))
+        for rank, payload in enumerate(new_data):
+            (tmp_path / f"new-{rank}").write_bytes(payload)
+        writer = (
+            "import json, sys; from pathlib import Path\n"
+            "from dashrun.memd.tiers import DiskTier\n"
+            "from dashrun.wire.messages import CheckpointInfo\n"
+            "root = Path(sys.argv[1])\n"
+            "info = CheckpointInfo.from_body(json.loads((root / 'new.json').read_text()))\n"
+            "data = [memoryview((root / f'new-{r}').read_bytes()) for r in range(info.world)]\n"
+            "DiskTier(root / 'd').put(info, data)\n")
+        result = subprocess.run([sys.executable, "-c", writer, str(tmp_path)], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "DASH_CRASH_AT": "disk.mid_replace@step=4"})
+        assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+        found, problems = DiskTier(tmp_path / "d").scan_report()
+        assert [i.shards for i in found] == [new.shards]                # the new attempt, whole
+        for rank, payload in enumerate(new_data):
+            disk.check(new.shards[rank])
+        assert any("interrupted write" in p for p in problems)          # the old attempt, cleared away
+
+    def test_without_renameat2_a_new_attempt_still_replaces_the_old(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(disk_tier, "_RENAMEAT2", None)              # a libc without it
+        self.test_a_new_attempt_at_the_same_step_replaces_the_old(DiskTier(tmp_path / "d"))
+        assert [p.name for p in (tmp_path / "d" / "jobs" / "job-a").iterdir()] == [f"{10:016d}"]
 
 
 class TestObjectTier(TierConformance):

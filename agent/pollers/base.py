@@ -12,7 +12,6 @@ where the cloud listens, how to tell it the VM is ready (``acknowledge``).
 from __future__ import annotations
 
 import abc
-import json
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ import requests
 
 from dashrun.agent.pollers.endpoints import endpoint_for
 from dashrun.errors import UnavailableError
+from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.problems import ProblemLog
 from dashrun.util.retry import Backoff
 from dashrun.wire.messages import Notice
@@ -62,7 +62,7 @@ def short_error(err: BaseException) -> str:
 def json_object(body: str, what: str) -> dict[str, Any]:
     """``body`` parsed as a JSON object; MetadataError("garbage") if it is not one."""
     try:
-        doc = json.loads(body)
+        doc = loads_bounded(body)
     except ValueError:
         doc = None
     if not isinstance(doc, dict):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Iterator
@@ -36,21 +37,32 @@ from dashrun.util.units import format_size
 from dashrun.version import __version__
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.protocol import valid_job_id
+from dashrun.wire.tls import TlsSettings
 
-__all__ = ["cli", "connect", "memd_options"]
+__all__ = ["cli", "connect", "memd_options", "tls_settings"]
 
 console = Console()
+_NO_TLS, _TLS_CA = "dashrun.no_tls", "dashrun.tls_ca"
 
 
 @contextlib.contextmanager
 def connect(memd: str | None, token_file: str | None) -> Iterator[MemdClient]:
+    """A client of ``--memd`` (or of the private dash-memd), with the command's ``--no-tls``/``--tls-ca``."""
+    tls = tls_settings()
     if memd is None:
-        with PrivateMemd(attach=True) as private, MemdClient(*private.address, read_token(private.token_file)) as c:
+        with PrivateMemd(attach=True, no_tls=tls.plaintext) as private, \
+                MemdClient(*private.address, read_token(private.token_file), tls=tls) as c:
             yield c
         return
     require_token_file(memd, token_file)
-    with MemdClient(*memd_address(memd), read_token(token_file)) as client:
+    with MemdClient(*memd_address(memd), read_token(token_file), tls=tls) as client:
         yield client
+
+
+def tls_settings() -> TlsSettings:
+    """The running command's ``--no-tls`` and ``--tls-ca`` (kept aside by :func:`memd_options`)."""
+    meta = click.get_current_context().meta
+    return TlsSettings.from_options(meta.get(_NO_TLS, False), meta.get(_TLS_CA))
 
 
 def _job(job: str) -> str:
@@ -64,9 +76,25 @@ def _version_option(command):
                                 allow_from_autoenv=False)(command)
 
 
+def _keep_aside(key: str):
+    def keep(ctx: click.Context, _param, value):
+        ctx.meta[key] = value
+    return keep
+
+
 def memd_options(command):
-    """``--memd``, ``--token-file`` (their twins are dashrun's own) and ``--version``, for every command."""
+    """``--memd``, ``--token-file``, ``--no-tls``, ``--tls-ca`` (their twins are dashrun's own) and ``--version``.
+
+    The TLS options are kept aside in the context for :func:`connect`, rather than passed to every command.
+    """
     command = _version_option(command)
+    command = click.option("--tls-ca", envvar=env.TLS_CA.name, show_envvar=True, default=None, expose_value=False,
+                           callback=_keep_aside(_TLS_CA), type=click.Path(dir_okay=False),
+                           help="Also verify dash-memd's TLS certificate chain and host name against these PEM CA "
+                                "certificates.")(command)
+    command = click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True, expose_value=False,
+                           callback=_keep_aside(_NO_TLS),
+                           help="Plaintext TCP to a dash-memd started with --no-tls (default: TLS).")(command)
     command = click.option("--token-file", envvar=env.TOKEN_FILE.name, show_envvar=True, default=None,
                            help="File with the cluster's token.")(command)
     return click.option("--memd", envvar=env.MEMD.name, show_envvar=True, default=None,
@@ -130,6 +158,10 @@ def status(memd, token_file, json) -> None:  # noqa: A002 (the name makes the tw
         for tier in ("disk", "object"):
             if job.get(f"{tier}_error"):
                 console.print(f"[red]{escape(job['job'])}: {tier} tier failing: {escape(job[f'{tier}_error'])}[/]")
+        if job.get("quarantined"):
+            copies = "1 disk copy" if job["quarantined"] == 1 else f"{job['quarantined']} disk copies"
+            console.print(f"[yellow]{escape(job['job'])}: {copies} failed their checksum, moved to quarantine/ in "
+                          "dash-memd's data dir[/]", highlight=False)
 
 
 @cli.command(name="ls")
@@ -198,28 +230,59 @@ def rm(job, memd, token_file) -> None:
     console.print(f"removed {job} ({len(deleted)} checkpoints)")
 
 
+def _shell_word(arg: str) -> str:
+    """``arg`` as a shell would need it; anything unprintable shown escaped, never sent to the terminal raw."""
+    return shlex.quote(arg) if arg.isprintable() else "$" + repr(arg).replace("\\'", "'")
+
+
+def _command_line(argv) -> str:
+    return " ".join(_shell_word(a) for a in ("dashrun", *argv))
+
+
+def _print_plan(job_id: str, spec, overrides: dict) -> None:
+    """What ``resume`` would run: where, the stored command line, what replaces its options, the environment."""
+    click.echo(f"job {job_id}: launch spec stored from {_shell_word(spec.host)} {_age(spec.created)}, "
+               "its MAC valid under this token")
+    click.echo(f"would run in {_shell_word(spec.cwd)}:")
+    click.echo(f"  {_command_line(spec.argv)}")
+    click.echo("with these options set by resume: "
+               + ", ".join(f"{name}={_shell_word(str(value))}" for name, value in overrides.items()))
+    ours = [f"  {var.name}={_shell_word(os.environ[var.name])}" for var in env.ALL if var.name in os.environ]
+    click.echo("environment: this shell's, in which dashrun reads" + (":" if ours else " none of its variables"))
+    for line in ours:
+        click.echo(line)
+
+
 @cli.command()
 @click.option("--job-id", envvar=env.JOB_ID.name, show_envvar=True, required=True, help="The job to resume.")
+@click.option("--dry-run", is_flag=True, show_envvar=True,
+              help="Check the stored spec and print what would run; run nothing.")
 @memd_options
-def resume(job_id, memd, token_file) -> None:
+def resume(job_id, dry_run, memd, token_file) -> None:
     """Relaunch JOB on this node as it was launched, from its newest committed checkpoint.
 
     What a replacement Spot VM runs at boot: dash-memd keeps each job's command
-    line and working directory.
+    line and working directory, signed with the cluster's token when the job
+    was launched; a spec whose signature does not check out is never run.
     """
     with connect(memd, token_file) as client:
         spec = client.get_spec(_job(job_id))
     if spec is None:
         raise NotFoundError(f"dash-memd has no launch spec of job {job_id!r}",
                             hint="a job is resumable once dashrun has launched it against this dash-memd")
+    # Write access to where dash-memd keeps specs (its disk, the bucket) must not be enough to run a command here.
+    spec.verify(job_id, read_token(token_file if memd is not None else PrivateMemd(attach=True).token_file))
+    overrides = {"job_id": job_id, "fresh": False, "no_tls": tls_settings().plaintext, "tls_ca": tls_settings().ca}
+    if memd is not None:
+        overrides.update(memd=memd, token_file=token_file)
+    if dry_run:
+        _print_plan(job_id, spec, overrides)
+        return
     try:
         os.chdir(spec.cwd)
     except OSError as e:
         raise UsageError(f"cannot enter the job's working directory {spec.cwd}: {e.strerror}",
                          hint="the new node needs the same files (image, volume) as the one that launched it") from None
-    console.print(f"resuming {job_id} in {spec.cwd}: dashrun {' '.join(spec.argv)}")
-    overrides = {"job_id": job_id, "fresh": False}
-    if memd is not None:
-        overrides.update(memd=memd, token_file=token_file)
+    console.print(escape(f"resuming {job_id} in {_shell_word(spec.cwd)}: {_command_line(spec.argv)}"))
     raise SystemExit(dispatch.launch(list(spec.argv), overrides))
 

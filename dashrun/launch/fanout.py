@@ -58,7 +58,7 @@ CLOSE_WAIT = 10.0
 DECIDED = frozenset({"hostfile", "ssh_config", "remote_python", "memd", "token_file", "job_id", "fresh",
                      "nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id"})
 #: Variables that travel to every host as they are set here (torchrun's PET_* twins travel too).
-_FORWARDED = (env.CRASH_AT,)
+_FORWARDED = (env.CRASH_AT, env.NO_TLS, env.TLS_CA)
 
 
 # --- the command each host runs ------------------------------------------------------

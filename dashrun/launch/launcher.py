@@ -99,7 +99,7 @@ class AgentProcess:
         self.proc = daemon.start(
             [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(options.token_file),
              "--socket", str(self.socket_path), "--parent-pid", str(os.getpid()), "--job-id", options.job_id,
-             "--cloud", options.cloud, *extra],
+             "--cloud", options.cloud, *options.tls.args(), *extra],
             ready=daemon.accepting(self.socket_path), what="dash-agent", timeout=AGENT_START_TIMEOUT,
             start_new_session=True)
 
@@ -150,12 +150,13 @@ def prepare_job(options: LaunchOptions, argv: list[str]) -> None:
     token = read_token(options.token_file)
 
     def attempt() -> None:
-        with MemdClient(*options.memd, token, timeout=30) as client:
+        with MemdClient(*options.memd, token, timeout=30, tls=options.tls) as client:
             client.ping()
             if options.fresh:
                 deleted = client.delete(options.job_id)
                 log.info("--fresh: deleted %d earlier checkpoints of %s", len(deleted), options.job_id)
-            client.put_spec(options.job_id, JobSpec(tuple(argv), os.getcwd(), socket.gethostname(), time.time()))
+            spec = JobSpec(tuple(argv), os.getcwd(), socket.gethostname(), time.time())
+            client.put_spec(options.job_id, spec.signed(options.job_id, token))  # resume runs only signed specs
 
     try:
         retry(attempt, on=UnavailableError, backoff=Backoff(first=MEMD_RETRY_PAUSE, longest=MEMD_RETRY_PAUSE, jitter=0),
@@ -176,7 +177,7 @@ def run(config: NodeConfig) -> int:
     options = config.options
     with contextlib.ExitStack() as stack:
         if options.memd is None:
-            private = stack.enter_context(PrivateMemd(attach=False))
+            private = stack.enter_context(PrivateMemd(attach=False, no_tls=options.tls.plaintext))
             options = dataclasses.replace(options, memd=private.address, token_file=private.token_file)
             log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd, private.root)
         else:

@@ -27,6 +27,7 @@ from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.version import __version__
 from dashrun.wire.protocol import valid_job_id
+from dashrun.wire.tls import TlsSettings
 
 __all__ = [
     "NAMES", "LaunchOptions", "OptionName", "apply_torchrun_defaults", "build_parser", "derive_job_id",
@@ -64,6 +65,8 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("hostfile", ("--hostfile",)),
     OptionName("ssh_config", ("--ssh-config", "--ssh_config")),
     OptionName("remote_python", ("--remote-python", "--remote_python")),
+    OptionName("no_tls", ("--no-tls", "--no_tls"), "store_true"),
+    OptionName("tls_ca", ("--tls-ca", "--tls_ca")),
     # torchrun's
     OptionName("nnodes", ("--nnodes",)),
     OptionName("node_rank", ("--node-rank", "--node_rank")),
@@ -85,6 +88,7 @@ class LaunchOptions:
     cloud: str = "auto"
     metadata_endpoint: str | None = None
     poll_interval: float | None = None
+    tls: TlsSettings = TlsSettings()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     NAMES["remote_python"].add_to(group, default=env.get(env.REMOTE_PYTHON), metavar="PATH",
                                   help=f"Python that runs dashrun on the hosts of --hostfile (env "
                                        f"{env.REMOTE_PYTHON.name}; default: this one's path).")
+    NAMES["no_tls"].add_to(group, default=env.get(env.NO_TLS, "0") == "1",
+                           help=f"plaintext TCP to a dash-memd started with --no-tls, for this launcher and its "
+                                f"dash-agent (env {env.NO_TLS.name}=1; default: TLS, with dash-memd authenticated "
+                                "on the link by the token).")
+    NAMES["tls_ca"].add_to(group, default=env.get(env.TLS_CA), metavar="FILE",
+                           help=f"also verify dash-memd's TLS certificate chain and host name against these PEM CA "
+                                f"certificates (env {env.TLS_CA.name}).")
     return parser
 
 
@@ -178,16 +189,17 @@ def max_nodes(args: argparse.Namespace) -> int:
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """dashrun's options of a launch on this node, checked; the token file is read now, to fail in one line."""
     job_id = job_id_from_args(args)
+    tls = TlsSettings.from_options(args.no_tls, args.tls_ca)
     if args.memd is None:
         require_shared_memd(args, max_nodes(args), "nodes")
         return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
-                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval)
+                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval, tls=tls)
     require_token_file(args.memd, args.token_file)
     token_file = Path(args.token_file)
     read_token(token_file)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,
                          cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
-                         poll_interval=args.poll_interval)
+                         poll_interval=args.poll_interval, tls=tls)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:

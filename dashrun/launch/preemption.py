@@ -81,7 +81,7 @@ def report_preempted(options: LaunchOptions, watcher: PreemptionWatcher) -> int:
     why = (f"{record.cloud} {record.kind} notice" if record is not None and record.reason == record.NOTICE else
            "an interruption notice on another node of the job")
     try:
-        with MemdClient(*options.memd, read_token(options.token_file), timeout=10) as client:
+        with MemdClient(*options.memd, read_token(options.token_file), timeout=10, tls=options.tls) as client:
             newest = client.latest(options.job_id)
         where = f"step {newest.step} is safe in dash-memd" if newest else "no checkpoint of this job is committed yet"
     except DashError as e:

@@ -54,8 +54,9 @@ def _locked(data_dir: Path) -> bool:
 class PrivateMemd:
     """A context manager giving ``address`` and ``token_file`` of the private dash-memd."""
 
-    def __init__(self, root: Path | None = None, *, attach: bool):
+    def __init__(self, root: Path | None = None, *, attach: bool, no_tls: bool = False):
         self.root = root or home()
+        self.no_tls = no_tls  # start it with --no-tls (one already running keeps how it was started)
         self.token_file = self.root / "token"
         self.attach = attach
         self.address: tuple[str, int] | None = None
@@ -77,7 +78,8 @@ class PrivateMemd:
         memory = min(psutil.virtual_memory().total // 4, 16 << 30)
         self.proc = daemon.start(
             [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir", str(self.root),
-             "--token-file", str(self.token_file), "--memory-limit", str(memory), "--ready-file", str(address_file)],
+             "--token-file", str(self.token_file), "--memory-limit", str(memory), "--ready-file", str(address_file),
+             *(["--no-tls"] if self.no_tls else [])],
             ready=daemon.file_written(address_file), what="the private dash-memd", timeout=START_TIMEOUT,
             log=self.root / "memd.log", start_new_session=True)
         try:

@@ -15,11 +15,19 @@ bookkeeping; bytes move outside it):
 * :mod:`.retention` — how many checkpoints each tier keeps, which RAM may go;
 * :mod:`.disk_writer` — RAM to disk, in commit order;
 * :mod:`.uploader` — with an object tier: uploads, deletions and specs behind
-  the disk, and reads from the bucket.
+  the disk, and reads from the bucket;
+* :mod:`.verifier` — disk copies checked against their CRC-32C (on every read,
+  and in the background after a start), bad ones quarantined.
 
 Reads fall through the tiers: RAM, else disk, else the bucket (downloaded into
 a RAM buffer for the read). A checkpoint being read is pinned (``readers``)
 and never evicted or deleted under the reader.
+
+Each rank's shard of a step is taken once: a copy of it that arrives while it
+is being received, or once the step is committed (an agent's retry, a zombie
+node), is refused and changes nothing. A deletion wins over a disk write or an
+upload in progress and, through :mod:`.tombstones`, over the bucket's listing
+and a restart: nothing deleted comes back.
 """
 
 from __future__ import annotations
@@ -31,13 +39,14 @@ import mmap
 import time
 from typing import TYPE_CHECKING, Iterator
 
-from dashrun.errors import ConflictError, NoSpaceError, NotFoundError, UnavailableError
+from dashrun.errors import ChecksumError, ConflictError, NoSpaceError, NotFoundError, UnavailableError
 from dashrun.memd.disk_writer import DiskWriter
 from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
 from dashrun.memd.retention import Retention
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.memd.uploader import Uploader
+from dashrun.memd.verifier import DiskVerifier
 from dashrun.util.units import format_size
 from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader, tiling_problem
 
@@ -75,6 +84,7 @@ class Catalogue:
         self.uploader = (Uploader(self.ledger, objects, disk, self.retention, upload_queue=upload_queue)
                          if objects is not None else None)
         self.disk_writer = DiskWriter(self.ledger, disk, self.retention, self.uploader)
+        self.verifier = DiskVerifier(self.ledger, disk, self.disk_writer.lock)
         self._cond = self.ledger.cond
         self._nodes: dict[str, dict[str, float]] = {}  # job -> node -> when it last sent a shard
         self._notices: dict[str, dict] = {}            # job -> the last interruption notice a node reported
@@ -82,15 +92,19 @@ class Catalogue:
     # --- start-up ----------------------------------------------------------------
 
     def load_disk(self) -> list[str]:
-        """Rebuild the catalogue from the disk tier; returns what was skipped, and why."""
+        """Rebuild the catalogue from the disk tier's manifests and file sizes; returns what was skipped, and
+        why. The shards' bytes are checked later (:meth:`verify_next`) and before any read of them."""
         infos, problems = self.disk.scan_report()
         specs = self.disk.specs()
         with self._cond:
             self.ledger.specs.update(specs)
+            entries = []
             for info in infos:
                 entry = Entry(info.job, info.step, info.world, info.rep_total, info.layout,
                               state=State.ON_DISK, shards={s.rank: s for s in info.shards}, tiers={"disk"}, info=info)
                 self.ledger.committed.setdefault(info.job, {})[info.step] = entry
+                entries.append(entry)
+            self.verifier.listed(entries)
         for problem in problems:
             log.warning("disk tier: %s", problem)
         log.info("catalogue: %d checkpoints of %d jobs on disk", len(infos), len(self.ledger.committed))
@@ -108,45 +122,71 @@ class Catalogue:
     # --- receiving --------------------------------------------------------------------
 
     def begin_shard(self, header: ShardHeader) -> Ticket:
-        """Reserve RAM for a shard about to arrive. Raises NoSpaceError if it cannot fit."""
+        """Reserve RAM for a shard about to arrive. Raises NoSpaceError if it cannot fit, ConflictError if the
+        same rank's shard of that step is being received or is committed already (a retry or a zombie node
+        sending it again: what dash-memd holds is not touched)."""
         if header.nbytes > self.ram.limit:
             raise NoSpaceError(
                 f"a shard of {format_size(header.nbytes)} exceeds dash-memd's --memory-limit of "
                 f"{format_size(self.ram.limit)}")
         with self._cond:
             key = (header.job, header.step)
-            entry = self.ledger.receiving.get(key)
             shape = (header.world, header.rep_total, header.layout)
+            committed = self.ledger.committed.get(header.job, {}).get(header.step)
+            if committed is not None and (committed.world, committed.rep_total, committed.layout) == shape:
+                raise ConflictError(f"{header.job} step {header.step} is already committed: rank {header.rank}'s "
+                                    "shard of it is not taken again", hint="the checkpoint dash-memd holds stays")
+            entry = self.ledger.receiving.get(key)
             if entry and (entry.world, entry.rep_total, entry.layout) != shape:
                 log.info("%s step %d: a new attempt with another layout replaces the incomplete one",
                          header.job, header.step)
                 self.ledger.drop_receiving(entry)
                 entry = None
+            if entry is not None and header.rank in entry.arriving:
+                raise ConflictError(f"{header.job} step {header.step}: rank {header.rank}'s shard is being received "
+                                    "already; this copy is refused")
             if entry is None:
                 entry = Entry(header.job, header.step, header.world, header.rep_total, header.layout)
                 self.ledger.receiving[key] = entry
                 log.info("%s step %d: receiving (%d ranks)", header.job, header.step, header.world)
-            buffer = self.retention.reserve(header.nbytes, entry)
-            entry.active += 1
+            try:
+                buffer = self.retention.reserve(header.nbytes, entry)
+            except NoSpaceError:
+                self._drop_if_empty(entry)
+                raise
+            entry.arriving.add(header.rank)
             entry.touched = time.monotonic()
             return Ticket(entry, header, buffer)
 
+    def _drop_if_empty(self, entry: Entry) -> None:
+        if entry.state == State.RECEIVING and not entry.shards and not entry.arriving and not entry.dropped:
+            self.ledger.drop_receiving(entry)  # nothing of it arrived: leave no empty entry behind
+
     def abort_shard(self, ticket: Ticket) -> None:
-        entry = ticket.entry
         with self._cond:
-            entry.active -= 1
-            if not entry.shards and not entry.active and not entry.dropped:
-                self.ledger.drop_receiving(entry)  # nothing of it arrived: leave no empty entry behind
+            ticket.entry.arriving.discard(ticket.header.rank)
+            self._drop_if_empty(ticket.entry)
         self.ram.release(ticket.buffer)
 
     def finish_shard(self, ticket: Ticket, crc: int) -> bool:
-        """Store a verified shard; commit the checkpoint if it was the last. Returns True if committed."""
+        """Store a verified shard; commit the checkpoint if it was the last. Returns True if committed.
+
+        The ticket's buffer goes into the checkpoint or back to the pool; a buffer the checkpoint already
+        holds is released only while it is still being received (a rank sending its shard again replaces
+        the copy that arrived before), never once it is committed.
+        """
         entry, header = ticket.entry, ticket.header
         with self._cond:
-            entry.active -= 1
+            entry.arriving.discard(header.rank)
             if entry.dropped:
                 self.ram.release(ticket.buffer)
                 return False
+            if entry.state != State.RECEIVING:  # committed while this copy arrived, from the copy before it
+                self.ram.release(ticket.buffer)
+                if entry.shards[header.rank].crc != crc:
+                    raise ConflictError(f"{entry.job} step {entry.step} was committed with another copy of rank "
+                                        f"{header.rank}'s shard while this one arrived; this one is not taken")
+                return True
             old = entry.buffers.pop(header.rank, None)
             if old is not None:
                 self.ram.release(old)
@@ -192,6 +232,10 @@ class Catalogue:
     def pending_disk_writes(self) -> int:
         return self.disk_writer.pending()
 
+    def verify_next(self) -> bool:
+        """Check the next shard file listed at start against its CRC-32C; False once all are checked."""
+        return self.verifier.next()
+
     def object_next(self, timeout: float) -> bool:
         """Run the next object-store task that is due (the initial listing first); False if none was within
         ``timeout``. A failed task stays first in the queue and is tried again after a pause that doubles."""
@@ -214,7 +258,10 @@ class Catalogue:
     # --- jobs ------------------------------------------------------------------------------
 
     def put_spec(self, job: str, spec: JobSpec) -> None:
-        self.disk.put_spec(spec, job)
+        try:
+            self.disk.put_spec(spec, job)
+        except OSError as e:  # a full or failing disk must not keep a job from starting: RAM holds the spec
+            log.error("%s: launch spec not written to disk (%s); it is kept in RAM", job, e.strerror or e)
         with self._cond:
             self.ledger.specs[job] = spec
             if self.uploader is not None:
@@ -234,37 +281,45 @@ class Catalogue:
             self._nodes.setdefault(job, {})[node] = time.time()
 
     def delete(self, job: str, keep: int = 0) -> list[int]:
-        """Forget all committed checkpoints of a job but the newest ``keep``; with 0, its spec too.
+        """Delete all committed checkpoints of a job but the newest ``keep``; with 0, its spec too. Returns the
+        steps deleted.
 
-        A checkpoint being read goes once its readers are done.
+        Everything older than the oldest checkpoint kept goes from every tier, also copies the catalogue does
+        not list (an older attempt's, and the bucket's before its first listing). A checkpoint being written to
+        disk meanwhile never goes into place, one being uploaded is deleted once up, and what the bucket still
+        holds is covered by a tombstone kept on disk until it is purged (:mod:`.tombstones`): nothing deleted
+        comes back, at a restart either. A checkpoint being read goes once its readers are done.
         """
         ledger = self.ledger
-        with self._cond:
-            steps = ledger.committed.get(job, {})
-            doomed = sorted(steps)[:max(0, len(steps) - keep)]
-            entries = [steps.pop(step) for step in doomed]
-            for entry in entries:
-                entry.dropped = True
-                if "ram" in entry.tiers and entry.readers == 0:
-                    ledger.release_ram(entry)
-                if "object" in entry.tiers:
-                    self.uploader.queue_delete(job, entry.step)
-            if keep == 0:
+        with self.disk_writer.lock:  # no step directory goes into place meanwhile
+            with self._cond:
+                steps = ledger.committed.get(job, {})
+                ordered = sorted(steps)
+                if keep and len(ordered) < keep:
+                    return []
+                below = ordered[-keep] if keep else None  # the oldest checkpoint kept
+                doomed = [step for step in ordered if below is None or step < below]
+                entries = [steps.pop(step) for step in doomed]
+                for entry in entries:
+                    entry.dropped = True
+                    if "ram" in entry.tiers and entry.readers == 0:
+                        ledger.release_ram(entry)
                 if self.uploader is not None:
-                    self.uploader.forget_job(job)
-                for entry in [e for (j, _), e in ledger.receiving.items() if j == job]:
-                    ledger.drop_receiving(entry)
-                ledger.specs.pop(job, None)
-                self._nodes.pop(job, None)
-                self._notices.pop(job, None)
-                self.disk_writer.forget_job(job)
+                    self.uploader.deleted(job, below)
+                if keep == 0:
+                    for entry in [e for (j, _), e in ledger.receiving.items() if j == job]:
+                        ledger.drop_receiving(entry)
+                    ledger.specs.pop(job, None)
+                    self._nodes.pop(job, None)
+                    self._notices.pop(job, None)
+                    self.disk_writer.forget_job(job)
                 if not steps:
                     ledger.committed.pop(job, None)
-        for entry in entries:
-            if "disk" in entry.tiers:
-                self.disk.delete(job, entry.step)
-        if keep == 0:
-            self.disk.delete_spec(job)
+            if self.uploader is not None:
+                self.uploader.tombstones.save()
+            self.disk_writer.delete_steps(job, below)
+            if keep == 0:
+                self.disk.delete_spec(job)
         if entries:
             log.info("%s: deleted steps %s", job, ", ".join(map(str, doomed)))
         return doomed
@@ -275,7 +330,7 @@ class Catalogue:
         with self._cond:
             steps = self.ledger.committed.get(job, {})
             uploader = self.uploader
-            if not steps and uploader is not None and not uploader.listed:
+            if not steps and uploader is not None and uploader.may_hold(job):
                 raise UnavailableError(f"dash-memd has not listed its object store yet, which may hold {job}"
                                        + (f" ({uploader.listing_error})" if uploader.listing_error else ""),
                                        hint="it keeps trying; check the bucket's endpoint and credentials")
@@ -301,12 +356,12 @@ class Catalogue:
                 return
             if "disk" in tiers:
                 with contextlib.ExitStack() as stack:
-                    try:
-                        view = stack.enter_context(self.disk.open(job, step, rank))
-                    except NotFoundError:
+                    try:  # checked before a byte is sent: what is sent cannot be taken back
+                        view = stack.enter_context(self.disk.open(job, step, rank, shard=header))
+                    except (NotFoundError, ChecksumError) as e:
+                        self.verifier.failed(entry, e)
                         if "object" not in tiers:
-                            raise
-                        log.warning("%s step %d: gone from disk; reading it from the object store", job, step)
+                            raise type(e)(f"{e}; the checkpoint before it is served instead") from None
                     else:
                         yield view, header.crc
                         return
@@ -355,6 +410,7 @@ class Catalogue:
             "receiving": sorted(s for (j, s) in self.ledger.receiving if j == job),
             "disk_error": self.disk_writer.failure(job),
             "object_error": self.uploader.failure(job) if self.uploader is not None else None,
+            "quarantined": self.disk.quarantined.get(job, 0),
             "nodes": self._nodes.get(job, {}),
             "spec": spec.to_body() if spec else None,
             "notice": self._notices.get(job),

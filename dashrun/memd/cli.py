@@ -59,6 +59,10 @@ def cli() -> None:
               type=int, help="Uploads waiting at most; when full, the oldest is dropped.")
 @click.option("--max-connections", envvar=env.MAX_CONNECTIONS.name, show_envvar=True, default=256,
               show_default=True, type=int, help="Clients served at once; more are refused as busy.")
+@click.option("--max-unauthenticated", envvar=env.MAX_UNAUTHENTICATED.name, show_envvar=True, default=32,
+              show_default=True, type=int,
+              help="Connections still logging in, at once, apart from --max-connections; a new one beyond "
+                   "drops the oldest of them.")
 @click.option("--auth-timeout", envvar=env.AUTH_TIMEOUT.name, show_envvar=True, default=10.0, show_default=True,
               type=float, help="Seconds a new connection has to authenticate.")
 @click.option("--idle-timeout", envvar=env.IDLE_TIMEOUT.name, show_envvar=True, default=300.0, show_default=True,
@@ -67,6 +71,13 @@ def cli() -> None:
               show_default=True, type=float, help="Seconds to finish disk writes on SIGTERM.")
 @click.option("--ready-file", envvar=env.READY_FILE.name, show_envvar=True, type=click.Path(dir_okay=False),
               default=None, help="Write HOST:PORT here once listening.")
+@click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True,
+              help="Plaintext TCP instead of TLS (every agent and command must say --no-tls too). Without it, "
+                   "clients are authenticated on the TLS link itself and need no CA.")
+@click.option("--tls-cert", envvar=env.TLS_CERT.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
+              help="Serve this PEM certificate (chain, leaf first) instead of an ephemeral self-signed one.")
+@click.option("--tls-key", envvar=env.TLS_KEY.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
+              help="The unencrypted PEM key of --tls-cert (default: in the --tls-cert file).")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def start(**options) -> None:
@@ -87,7 +98,8 @@ def token(out) -> None:
 def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None, token_file: str, keep_ram: int,
                         keep_disk: int, s3: str | None, keep_object: int, upload_queue: int, max_connections: int,
                         auth_timeout: float, idle_timeout: float, shutdown_timeout: float,
-                        ready_file: str | None) -> MemdConfig:
+                        ready_file: str | None, no_tls: bool = False, tls_cert: str | None = None,
+                        tls_key: str | None = None, max_unauthenticated: int = 32) -> MemdConfig:
     """The options of ``dash-memd start`` as a config; raises UsageError."""
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
     return MemdConfig(
@@ -95,8 +107,10 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
         memory_limit=parse_size(memory_limit) if memory_limit else default_memory_limit(),
         token=read_token(token_file), keep_ram=keep_ram, keep_disk=keep_disk, s3=s3, keep_object=keep_object,
         upload_queue=upload_queue,
-        max_connections=max_connections, auth_timeout=auth_timeout, idle_timeout=idle_timeout,
+        max_connections=max_connections, max_unauthenticated=max_unauthenticated, auth_timeout=auth_timeout,
+        idle_timeout=idle_timeout,
         shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
+        no_tls=no_tls, tls_cert=Path(tls_cert) if tls_cert else None, tls_key=Path(tls_key) if tls_key else None,
     )
 
 

@@ -42,6 +42,8 @@ class MemdConfig:
     upload_queue: int = 8
     #: clients served at once; more are refused with BUSY
     max_connections: int = 256
+    #: connections that have not logged in yet, at once; a new one beyond drops the oldest of them
+    max_unauthenticated: int = 32
     #: seconds a new connection has to authenticate
     auth_timeout: float = 10.0
     #: seconds an authenticated connection may stay silent
@@ -50,6 +52,11 @@ class MemdConfig:
     shutdown_timeout: float = 60.0
     #: file that receives "HOST:PORT" once the server accepts connections
     ready_file: Path | None = None
+    #: plaintext TCP (--no-tls); every client must say --no-tls too
+    no_tls: bool = False
+    #: the operator's certificate (chain, leaf first) and key; None: an ephemeral self-signed one per start
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -61,10 +68,14 @@ class MemdConfig:
         if self.s3 is not None and not (self.s3.startswith("s3://") and self.s3[5:].split("/", 1)[0]):
             raise UsageError(f"--s3 {self.s3!r} is not of the form s3://bucket/prefix",
                              hint="e.g. --s3 s3://my-bucket/dashrun")
-        if self.max_connections < 1:
-            raise UsageError("--max-connections must be at least 1")
+        if min(self.max_connections, self.max_unauthenticated) < 1:
+            raise UsageError("--max-connections and --max-unauthenticated must be at least 1")
         if min(self.auth_timeout, self.idle_timeout) <= 0:
             raise UsageError("timeouts must be positive")
+        if self.tls_key is not None and self.tls_cert is None:
+            raise UsageError("--tls-key needs --tls-cert", hint="give the certificate the key belongs to")
+        if self.no_tls and self.tls_cert is not None:
+            raise UsageError("--tls-cert and --no-tls exclude each other", hint="drop one of them")
 
 
 def _read_limit(path: Path) -> int | None:

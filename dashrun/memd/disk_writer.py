@@ -6,12 +6,20 @@ it advances to ON_DISK, the job's older disk and RAM copies are trimmed, and
 superseded before its turn is skipped. A failed write leaves the checkpoint
 in RAM and the previous one on disk valid; the failure is logged once and
 shown on the job until a write of that job works again.
+
+Deletions (``dashrun rm``, ``gc``) and writes never cross: a step's
+directory goes into place, or is removed, only with :attr:`DiskWriter.lock`
+held, and a write checks under it, right before its rename, that its
+checkpoint is still wanted. A checkpoint deleted while it was being written
+is never renamed into place; one deleted after is on disk by then, and its
+deletion removes it. So nothing a deletion took comes back at the next start.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 
 from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
@@ -36,6 +44,8 @@ class DiskWriter:
         self.queue: queue.Queue[Entry] = queue.Queue()
         self.failures: dict[str, str] = {}   # job -> why its last disk write failed
         self.problems = ProblemLog(log)
+        #: Held while a step directory goes into place or is removed; taken before the ledger's lock.
+        self.lock = threading.Lock()
 
     def submit(self, entry: Entry) -> None:
         """Queue a just-committed checkpoint for the disk."""
@@ -62,46 +72,71 @@ class DiskWriter:
         ledger = self.ledger
         with ledger.cond:
             if entry.dropped or "ram" not in entry.tiers or self.retention.safe_without_ram(entry):
-                return True  # replaced, or superseded by a newer checkpoint already on disk
+                return True  # deleted, replaced, or superseded by a newer checkpoint already on disk
             entry.readers += 1
             views = [memoryview(entry.buffers[r])[:entry.shards[r].nbytes] for r in range(entry.world)]
-        written = False
+        locked = False
+
+        def still_wanted() -> bool:  # right before the rename; the lock is held until the books say "on disk"
+            nonlocal locked
+            self.lock.acquire()
+            locked = True
+            with ledger.cond:
+                return not entry.dropped
+
+        written = works = False
+        doomed: list[Entry] = []
+        next_shards: list[int] = []
         try:
-            self.disk.put(entry.info, views)
-            written = True
-        except OSError as e:
-            reason = e.strerror or str(e)
-            self.problems.problem(entry.job, reason, "%s step %d: disk write failed (%s); it stays in RAM, the "
-                                  "previous checkpoint on disk stays valid", entry.job, entry.step, reason,
-                                  level=logging.ERROR)
-            with ledger.cond:
-                self.failures[entry.job] = reason
+            try:
+                written = self.disk.put(entry.info, views, guard=still_wanted)
+            except OSError as e:
+                reason = e.strerror or str(e)
+                self.problems.problem(entry.job, reason, "%s step %d: disk write failed (%s); it stays in RAM, the "
+                                      "previous checkpoint on disk stays valid", entry.job, entry.step, reason,
+                                      level=logging.ERROR)
+                with ledger.cond:
+                    self.failures[entry.job] = reason
+            finally:
+                for view in views:
+                    view.release()
+                with ledger.cond:
+                    entry.readers -= 1
+                    works = written and not entry.dropped
+                    if works:
+                        next_shards = [shard.nbytes for shard in entry.info.shards]
+                        self.failures.pop(entry.job, None)
+                        entry.tiers.add("disk")
+                        entry.advance(State.ON_DISK)
+                        doomed = self.retention.trim_disk(entry.job)
+                        self.retention.trim_ram(entry.job)
+                        if self.uploader is not None:
+                            self.uploader.queue_upload(entry)
+                    elif entry.dropped and entry.readers == 0 and "ram" in entry.tiers:
+                        ledger.release_ram(entry)
+                    ledger.cond.notify_all()
+            if written and not works:  # a later attempt at the step replaced it while it was being written
+                self.disk.delete(entry.job, entry.step)
+            for old in doomed:
+                self.disk.delete(old.job, old.step)
+                log.info("%s step %d: deleted from disk (keeping the newest %d)", old.job, old.step,
+                         self.retention.keep_disk)
         finally:
-            for view in views:
-                view.release()
-            with ledger.cond:
-                entry.readers -= 1
-                doomed = []
-                next_shards = []
-                works = written and not entry.dropped
-                if works:
-                    next_shards = [shard.nbytes for shard in entry.info.shards]
-                    self.failures.pop(entry.job, None)
-                    entry.tiers.add("disk")
-                    entry.advance(State.ON_DISK)
-                    doomed = self.retention.trim_disk(entry.job)
-                    self.retention.trim_ram(entry.job)
-                    if self.uploader is not None:
-                        self.uploader.queue_upload(entry)
-                elif entry.dropped and entry.readers == 0 and "ram" in entry.tiers:
-                    ledger.release_ram(entry)
-                ledger.cond.notify_all()
+            if locked:
+                self.lock.release()
         if works:
             self.problems.ok(entry.job, "%s: disk writes work again", entry.job)
-        for old in doomed:
-            self.disk.delete(old.job, old.step)
-            log.info("%s step %d: deleted from disk (keeping the newest %d)", old.job, old.step,
-                     self.retention.keep_disk)
         # The job's next checkpoint will have shards of about these sizes: have its buffers touched by then.
         self.ledger.ram.prewarm(next_shards)
         return True
+
+    def delete_steps(self, job: str, below: int | None = None) -> None:
+        """With :attr:`lock` held: remove every step directory of ``job`` (below step ``below`` if given),
+        whether or not the catalogue knows it (a replaced attempt's copy, say)."""
+        try:
+            names = [p.name for p in self.disk.step_dir(job, 0).parent.iterdir()]
+        except FileNotFoundError:
+            return
+        for step in sorted(int(name) for name in names if name.isdigit()):
+            if below is None or step < below:
+                self.disk.delete(job, step)

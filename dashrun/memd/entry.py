@@ -58,7 +58,7 @@ class Entry:
     tiers: set[str] = dataclasses.field(default_factory=set)
     info: CheckpointInfo | None = None
     readers: int = 0
-    active: int = 0          # shards being received right now
+    arriving: set[int] = dataclasses.field(default_factory=set)  # ranks whose shard is being received right now
     dropped: bool = False    # no longer in the catalogue; release buffers when unpinned
     touched: float = dataclasses.field(default_factory=time.monotonic)
 

@@ -69,7 +69,7 @@ class Retention:
         """Free one checkpoint's RAM that can go without loss; False if none can."""
         now = time.monotonic()
         stale = [e for e in self.ledger.receiving.values()
-                 if e is not spare and e.active == 0 and now - e.touched > RECEIVING_TIMEOUT]
+                 if e is not spare and not e.arriving and now - e.touched > RECEIVING_TIMEOUT]
         if stale:
             self.ledger.drop_receiving(stale[0])
             return True

@@ -2,7 +2,8 @@
 
 Every connection must prove it holds the cluster's token within
 ``auth_timeout`` before any state is touched; until then a body may not
-exceed 4 KiB and no data is accepted. Afterwards a client sends requests one
+exceed 4 KiB, no data is accepted, and the connection counts against a small
+budget of its own (:mod:`dashrun.memd.admission`). Afterwards a client sends requests one
 at a time; each is validated field by field (:mod:`dashrun.wire.protocol`) and
 answered with OK or ERROR. A request that breaks the framing closes the
 connection; one that is merely refused (no space, not found) does not.
@@ -20,19 +21,24 @@ from typing import Callable
 
 from dashrun import errors
 from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.memd.admission import Admission, Slot
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.util.files import write_atomic
+from dashrun.util.problems import ProblemLog
 from dashrun.wire.auth import server_handshake
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import Kind, field_bool, field_float, field_int, field_job, field_step, field_str
+from dashrun.wire.tls import ServerTls, accept
 
 __all__ = ["LOCK_FILE", "MAX_WAIT", "MemdServer"]
 
 log = logging.getLogger(__name__)
 
+#: Pause after a failed accept (out of descriptors, say) before the next.
+ACCEPT_PAUSE = 0.05
 #: Longest a WAIT request may block.
 MAX_WAIT = 3600.0
 #: File in the data dir that a running dash-memd holds locked (and writes its pid to).
@@ -69,6 +75,8 @@ class MemdServer:
             Kind.NOTICE: self._notice,
         }
         self.address: tuple[str, int] | None = None
+        # Made (or loaded) before anything listens: a certificate that cannot be loaded is a usage error.
+        self.tls = None if config.no_tls else ServerTls.load(config.tls_cert, config.tls_key)
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -87,8 +95,10 @@ class MemdServer:
         listener.listen(max(128, self.config.max_connections))
         self._listener = listener
         self.address = listener.getsockname()[:2]
-        # Hundreds of mostly idle connection threads: keep their stacks small.
-        threading.stack_size(512 << 10)
+        # Connection threads keep the platform's default stack (on Linux the stack rlimit, 8 MiB): a stack is
+        # address space, touched only as deep as a thread goes, so a smaller one saves no memory and only lowers
+        # how deep the C code a request runs through (the JSON parser, ssl) may recurse before the process dies
+        # of SIGSEGV; CPython's own recursion limits assume the default.
         loops = [(self._accept_loop, "accept"), (self._disk_loop, "disk-writer")]
         if self.catalogue.objects is not None:
             loops.append((self._object_loop, "uploader"))
@@ -98,7 +108,13 @@ class MemdServer:
             self._threads.append(thread)
         if self.config.ready_file:
             write_atomic(self.config.ready_file, f"{self.address[0]}:{self.address[1]}\n")
-        log.info("listening on %s:%d", *self.address)
+        log.info("listening on %s:%d, %s", *self.address, self._tls_banner())
+
+    def _tls_banner(self) -> str:
+        if self.tls is None:
+            return "plaintext (--no-tls): clients must run with --no-tls too"
+        what = "the operator's certificate" if self.tls.operator else "an ephemeral self-signed certificate"
+        return f"TLS with {what} (SHA-256 {self.tls.fingerprint})"
 
     def _lock_data_dir(self) -> None:
         """Refuse to share a data dir: two daemons writing one disk tier would lose checkpoints."""
@@ -144,8 +160,8 @@ class MemdServer:
             self.catalogue.objects.close()
 
     def _disk_loop(self) -> None:
-        while not self._stopping.is_set():
-            self.catalogue.persist_next(timeout=0.5)
+        while not self._stopping.is_set():  # between writes, the shards listed at start are checked one by one
+            self.catalogue.persist_next(timeout=0 if self.catalogue.verify_next() else 0.5)
         deadline = time.monotonic() + self.config.shutdown_timeout
         while self.catalogue.pending_disk_writes() and time.monotonic() < deadline:
             self.catalogue.persist_next(timeout=0.1)
@@ -159,34 +175,38 @@ class MemdServer:
                 self._stopping.wait(5.0)
 
     def _accept_loop(self) -> None:
-        active = threading.BoundedSemaphore(self.config.max_connections)
+        # A connection counts against --max-unauthenticated until it logs in, then against --max-connections:
+        # connections that never log in cannot keep clients out (dashrun.memd.admission).
+        admission = Admission(self.config.max_connections, self.config.max_unauthenticated)
+        problems = ProblemLog(log)
         while not self._stopping.is_set():
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
+            except OSError as e:
                 if self._stopping.is_set():
                     return
-                log.exception("accept failed")
+                problems.problem("accept", type(e).__name__, "cannot take a connection: %s", e)
+                self._stopping.wait(ACCEPT_PAUSE)  # out of descriptors: do not spin
                 continue
-            if not active.acquire(blocking=False):
-                self._refuse_busy(sock)
+            problems.ok("accept")
+            try:
+                slot = admission.admit(sock)
+            except OSError as e:  # out of descriptors: this connection cannot be served
+                log.warning("refused %s:%d: %s", peer[0], peer[1], e)
+                sock.close()
                 continue
-            thread = threading.Thread(target=self._serve, args=(sock, peer, active), daemon=True,
+            thread = threading.Thread(target=self._serve, args=(sock, peer, slot), daemon=True,
                                       name=f"memd-conn-{peer[0]}:{peer[1]}")
-            thread.start()
-
-    def _refuse_busy(self, sock: socket.socket) -> None:
-        try:
-            sock.settimeout(1.0)
-            Channel(sock).send_error(errors.BusyError("dash-memd is serving its maximum number of connections"))
-        except DashError:
-            pass
-        finally:
-            sock.close()
+            try:
+                thread.start()
+            except RuntimeError as e:  # no thread to be had: refuse this one, keep accepting
+                log.warning("refused %s:%d: %s", peer[0], peer[1], e)
+                slot.release()
+                sock.close()
 
     # --- one connection ---------------------------------------------------------------
 
-    def _serve(self, sock: socket.socket, peer, active: threading.BoundedSemaphore) -> None:
+    def _serve(self, sock: socket.socket, peer, slot: Slot) -> None:
         with self._clients_lock:
             self._clients.add(sock)
         ch = Channel(sock)
@@ -194,8 +214,13 @@ class MemdServer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            ch.set_deadline(self.config.auth_timeout)  # for the whole handshake, however slowly it trickles
-            server_handshake(ch, self.config.token, "dash-memd")
+            # One deadline for the whole login, TLS handshake included, however slowly the bytes trickle in.
+            deadline = time.monotonic() + self.config.auth_timeout
+            secured, binding = self._secure(sock, deadline)
+            ch = Channel(secured)
+            ch.set_deadline(deadline - time.monotonic())
+            # Logged in: from the unauthenticated budget to the authenticated one, or BusyError in place of WELCOME.
+            server_handshake(ch, self.config.token, "dash-memd", binding, admit=slot.logged_in)
             ch.settimeout(self.config.idle_timeout)
             while not self._stopping.is_set():
                 frame = ch.recv()
@@ -210,8 +235,13 @@ class MemdServer:
                     ch.send_error(e)
         except UnavailableError as e:
             log.debug("%s: %s", who, e)
+        except errors.BusyError as e:  # logged in while every client slot is taken
+            log.warning("%s: refused: %s", who, e)
+            self._try_send_error(ch, e)
+        except errors.UsageError as e:  # a client of the other mode (--no-tls), told so already
+            log.warning("%s: refused: %s", who, e)
         except errors.AuthError:
-            log.warning("%s: refused: wrong token", who)
+            log.warning("%s: refused: wrong token (or a relay that intercepts TLS)", who)
         except ProtocolError as e:
             log.warning("%s: refused: %s", who, e)
             self._try_send_error(ch, e)
@@ -221,8 +251,18 @@ class MemdServer:
         finally:
             with self._clients_lock:
                 self._clients.discard(sock)
+                self._clients.discard(ch.sock)
             ch.close()
-            active.release()
+            slot.release()
+
+    def _secure(self, sock: socket.socket, deadline: float) -> tuple[socket.socket, bytes]:
+        """The connection the login runs on (TLS unless --no-tls) and its binding: :func:`dashrun.wire.tls.accept`."""
+        secured, binding = accept(sock, self.tls, deadline)
+        if secured is not sock:
+            with self._clients_lock:  # stop() must reach the TLS socket: the plain one no longer owns the descriptor
+                self._clients.discard(sock)
+                self._clients.add(secured)
+        return secured, binding
 
     @staticmethod
     def _try_send_error(ch: Channel, err: BaseException) -> None:

@@ -2,12 +2,18 @@
 
 It uploads each checkpoint once it is on disk (reading the disk copy, so a
 slow store never pins RAM), the job's launch spec, and the deletions of
-retention and ``dashrun rm``, in order. Uploads are bounded: a newer
-checkpoint of a job supersedes its queued older ones, and a full queue drops
-its oldest upload. A failed task is retried with backoff, forever, while it
-is still wanted; the failure is shown on the job. Before any task, the bucket
-is listed once (:meth:`Uploader.load_objects`): until then, a job unknown
-here may be held there.
+retention, in order. Uploads are bounded: a newer checkpoint of a job
+supersedes its queued older ones, and a full queue drops its oldest upload. A
+failed task is retried with backoff, forever, while it is still wanted; the
+failure is shown on the job. Before any task, the bucket is listed once
+(:meth:`Uploader.load_objects`): until then, a job unknown here may be held
+there.
+
+``dashrun rm`` and ``gc`` leave a tombstone (:mod:`.tombstones`, kept on disk)
+and queue a purge: the bucket's listing adopts nothing a tombstone covers,
+and the purge lists the job in the bucket and deletes every copy it covers —
+also copies the catalogue never knew (before the first listing, or an older
+attempt's) — then drops the tombstone.
 
 Reads fall through to the bucket when neither RAM nor disk holds a
 checkpoint: :meth:`Uploader.read_shard` downloads a shard into a RAM buffer.
@@ -31,6 +37,7 @@ from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
 from dashrun.memd.retention import Retention
 from dashrun.memd.tiers import DiskTier
+from dashrun.memd.tombstones import TOMBSTONES, Tombstone, Tombstones
 from dashrun.util.problems import ProblemLog
 from dashrun.util.retry import Backoff
 from dashrun.util.units import format_size
@@ -49,12 +56,13 @@ _LISTING = ("listing",)
 @dataclasses.dataclass(frozen=True, eq=False)
 class ObjectTask:
     """One thing for the uploader to do: ``upload`` an entry, ``spec`` (upload a job's launch spec),
-    ``delete`` a step, ``unspec`` (delete a job's spec)."""
+    ``delete`` a step, ``purge`` (delete what a tombstone covers)."""
 
     kind: str
     job: str
     step: int = -1
     entry: Entry | None = None
+    tombstone: Tombstone | None = None
 
 
 class Uploader:
@@ -76,6 +84,9 @@ class Uploader:
         self.backoff = Backoff(1.0, 60.0)    # pauses after a failed task, whichever it was
         self.retry_at = 0.0                  # monotonic time before which nothing is tried again
         self.closing = threading.Event()
+        #: Deletions the bucket has not caught up with; those left by the last run are purged again.
+        self.tombstones = Tombstones(disk.root / TOMBSTONES)
+        self.tasks.extend(ObjectTask("purge", t.job, tombstone=t) for t in self.tombstones.records())
 
     def close(self) -> None:
         """Stop retrying (dash-memd is shutting down)."""
@@ -90,15 +101,21 @@ class Uploader:
 
         A checkpoint in both tiers is one entry if it is the same attempt;
         otherwise the disk's (the newer attempt) wins and goes up again.
+        What a tombstone covers is not adopted: its purge is queued.
         """
         aborted = self.objects.abort_incomplete_uploads()
         infos, problems = self.objects.scan_report()
         specs = self.objects.specs()
         ledger = self.ledger
+        deleted = 0
         with ledger.cond:
             for job, spec in specs.items():
-                ledger.specs.setdefault(job, spec)
+                if not self.tombstones.job_deleted(job):
+                    ledger.specs.setdefault(job, spec)
             for info in infos:
+                if self.tombstones.covering(info) is not None:
+                    deleted += 1
+                    continue
                 steps = ledger.committed.setdefault(info.job, {})
                 entry = steps.get(info.step)
                 if entry is None:
@@ -108,9 +125,10 @@ class Uploader:
                 elif entry.info.to_body() == info.to_body() and entry.state == State.ON_DISK:
                     entry.tiers.add("object")
                     entry.advance(State.IN_OBJECT_STORE)
-            for job, steps in ledger.committed.items():
-                if job not in specs and job in ledger.specs:
+            for job in ledger.specs:
+                if job not in specs or self.tombstones.job_deleted(job):  # missing, or what is there was deleted
                     self.queue(ObjectTask("spec", job))
+            for job, steps in ledger.committed.items():
                 newest = steps[max(steps)] if steps else None
                 if newest is not None and "object" not in newest.tiers and "disk" in newest.tiers:
                     self.queue_upload(newest)
@@ -123,8 +141,11 @@ class Uploader:
             log.info("object tier: aborted an incomplete upload of %s", key)
         for problem in problems:
             log.warning("object tier: %s", problem)
-        log.info("catalogue: %d checkpoints of %d jobs in %s", len(infos), len({i.job for i in infos}),
-                 self.objects.url)
+        if deleted:
+            log.info("object tier: %d checkpoints deleted from dash-memd are still in %s; not taken, being deleted",
+                     deleted, self.objects.url)
+        log.info("catalogue: %d checkpoints of %d jobs in %s", len(infos) - deleted,
+                 len({i.job for i in infos}), self.objects.url)
         return problems
 
     # --- the queue (with the ledger's lock held) -------------------------------------------
@@ -150,15 +171,30 @@ class Uploader:
         self.queue(ObjectTask("spec", job))
 
     def queue_delete(self, job: str, step: int) -> None:
-        self.queue(ObjectTask("delete", job, step))
-
-    def forget_job(self, job: str) -> None:
-        """``job`` is deleted: drop its queued uploads and spec, delete its spec from the bucket."""
-        for task in [t for t in self.tasks if t.job == job and t.kind in ("upload", "spec")]:
+        # Before any queued upload of the same step: that one is of a newer attempt, and must stay.
+        later = [t for t in self.tasks if t.kind == "upload" and t.job == job and t.step == step]
+        for task in later:
             self.tasks.remove(task)
-        self.queue(ObjectTask("unspec", job))
-        self.failures.pop(job, None)
-        self.problems.forget(job)
+        self.queue(ObjectTask("delete", job, step))
+        self.tasks.extend(later)
+
+    def deleted(self, job: str, below: int | None) -> None:
+        """``job``'s checkpoints below step ``below`` (all, and its spec, with None) are deleted: leave a
+        tombstone and queue the bucket's purge. The caller makes the tombstone last (``tombstones.save()``)
+        before it answers."""
+        tombstone = Tombstone(job, below, time.time())
+        self.tombstones.add(tombstone)
+        if below is None:
+            for task in [t for t in self.tasks if t.job == job and t.kind in ("upload", "spec")]:
+                self.tasks.remove(task)
+            self.failures.pop(job, None)
+            self.problems.forget(job)
+        self.queue(ObjectTask("purge", job, tombstone=tombstone))
+
+    def may_hold(self, job: str) -> bool:
+        """True if the bucket may hold checkpoints of ``job`` the catalogue does not know yet (not listed yet,
+        and the job not deleted since)."""
+        return not self.listed and not self.tombstones.job_deleted(job)
 
     def failure(self, job: str) -> str | None:
         """Why the last object-store task of ``job`` failed, if it has not worked since."""
@@ -256,8 +292,29 @@ class Uploader:
         elif task.kind == "delete":
             self.objects.delete(task.job, task.step)
             log.info("%s step %d: deleted from the object store", task.job, task.step)
-        elif task.kind == "unspec":
-            self.objects.delete_spec(task.job)
+        elif task.kind == "purge":
+            self._purge(task.tombstone)
+
+    def _purge(self, tombstone: Tombstone) -> None:
+        """Delete from the bucket every checkpoint ``tombstone`` covers (and, for a whole job, its spec unless
+        one was put since), then drop the tombstone."""
+        job = tombstone.job
+        for step in self.objects.steps(job):
+            if tombstone.below is not None and step >= tombstone.below:
+                continue
+            try:
+                info = self.objects.read_manifest(job, step)
+            except (NotFoundError, ChecksumError):
+                continue  # no readable manifest: not a checkpoint, the listing never takes it
+            if tombstone.covers(info):
+                self.objects.delete(job, step)
+                log.info("%s step %d: deleted from the object store", job, step)
+        if tombstone.below is None:
+            with self.ledger.cond:
+                respecified = job in self.ledger.specs  # its upload is queued and replaces the old one
+            if not respecified:
+                self.objects.delete_spec(job)
+        self.tombstones.remove(tombstone)
 
     def _upload(self, entry: Entry) -> None:
         cond = self.ledger.cond

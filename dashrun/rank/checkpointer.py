@@ -20,6 +20,13 @@ restore the replicated state is rebuilt from all slices, whatever the new
 world size; private state goes to the rank with the same number, and what
 has no owner is reported.
 
+Module buffers (BatchNorm statistics) differ between ranks after each
+forward, so they are not split: they come from rank 0, the rank DDP
+broadcasts them from (a module without DDP gets rank 0's too), unless the
+model is a ``DistributedDataParallel`` with ``broadcast_buffers=False``:
+then each rank saves its own and gets them back, and a rank that did not
+exist when the checkpoint was saved gets rank 0's.
+
 The buffer is handed to the node's dash-agent by file descriptor; the
 agent streams it to dash-memd and hands it back once stored. Two buffers
 alternate, so one save can be staged while the previous one travels. If
@@ -138,23 +145,25 @@ class Checkpointer:
         agreed = self._notices.agree()
         if agreed.emergency:
             return self._emergency(step, agreed)
-        interval = min(self.interval, self.early_interval) if agreed.early else self.interval
-        if not force and self._last_step is not None and step - self._last_step < interval:
-            return False
-        if not force and self._last_step is None and (step + 1) % interval:
-            return False
-        return self._snapshot(step, force)
+        try:
+            interval = min(self.interval, self.early_interval) if agreed.early else self.interval
+            if not force and self._last_step is not None and step - self._last_step < interval:
+                return False
+            if not force and self._last_step is None and (step + 1) % interval:
+                return False
+            if not force and agreed.starved:
+                return self._skip(step)
+            return self._snapshot(step, force)
+        finally:
+            self._notices.publish(starved=not self._stager.has_free())
 
     def _snapshot(self, step: int, wait_for_buffer: bool, emergency: bool = False) -> bool:
         started = time.perf_counter()
         self._await_copy()
         buffer_index = self._stager.reserve(wait=wait_for_buffer)
         if buffer_index is None:
-            self.stats.skipped += 1
-            self._problem("skipped", f"checkpoint of step {step} skipped: the previous two are still on their way "
-                                     "to dash-memd (raise the interval, or check the network to dash-memd)")
-            return False
-        snapshot = capture(step, buffer_index, self.objects, self.per_rank, emergency=emergency)
+            return self._skip(step)
+        snapshot = capture(step, buffer_index, self.objects, self.per_rank, rank=self.rank, emergency=emergency)
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1
@@ -163,6 +172,15 @@ class Checkpointer:
         self.stats.stall_s += stall
         self.stats.last_stall_s = stall
         return True
+
+    def _skip(self, step: int) -> bool:
+        """A due snapshot skipped (on every rank at once: see Agreement.starved), counted."""
+        self.stats.skipped += 1
+        # The schedule moves on as if it was taken: every rank keeps the same due steps.
+        self._last_step = step
+        self._problem("skipped", f"checkpoint of step {step} skipped: the previous two are still on their way "
+                                 "to dash-memd (raise the interval, or check the network to dash-memd)")
+        return False
 
     def _emergency(self, step: int, agreed: Agreement) -> bool:
         """The checkpoint of ``step`` that a notice asked for: taken, awaited until committed, then stop."""

@@ -44,6 +44,9 @@ class Agreement:
 
     level: int = 0
     deadline: float | None = None  # epoch seconds, when a notice that the node goes away gave one
+    #: Some rank had both staging buffers still on their way to dash-memd: every rank skips a due snapshot,
+    #: or one rank's skip would leave the others' shards of that step waiting for a shard that never comes.
+    starved: bool = False
 
     @property
     def emergency(self) -> bool:
@@ -90,29 +93,42 @@ class NoticeBoard:
                         notice.cloud, notice.kind.value, left)
 
     def agree(self) -> Agreement:
-        """The most serious notice any rank had one step ago — the same on every rank.
+        """What every rank published at its previous ``save()`` (:meth:`publish`) — the same on every rank.
 
-        Each call starts an all-reduce (MAX) of this rank's notice on a gloo
-        group and reads the one it started at the previous call, so the ranks
-        agree without waiting on the network: every rank acts at the same step.
-        Every rank must call it at every ``save()``.
+        The all-reduce (MAX) of what each rank published runs on a gloo group
+        between two ``save()`` calls, so the ranks agree without waiting on the
+        network: every rank acts at the same step. Every rank must call
+        :meth:`agree` at the start and :meth:`publish` at the end of every ``save()``.
         """
-        notice = self.notice
-        level = 0 if notice is None else notice.severity
-        deadline = notice.deadline if notice is not None and not notice.early_warning and notice.deadline else None
         if self.world == 1 or not in_process_group():
-            return Agreement(level, deadline)
-        agreed = Agreement()
-        if self._work is not None:
-            self._work.wait()
-            agreed_level, negated_deadline = self._flag.tolist()
-            agreed = Agreement(int(agreed_level), -negated_deadline if negated_deadline > -_NO_DEADLINE else None)
+            return self._local()
+        if self._work is None:
+            return Agreement()
+        self._work.wait()
+        self._work = None
+        level, negated_deadline, starved = self._flag.tolist()
+        return Agreement(int(level), -negated_deadline if negated_deadline > -_NO_DEADLINE else None, starved > 0)
+
+    def publish(self, starved: bool) -> None:
+        """Start the all-reduce of this rank's notice and whether it has a staging buffer free (read by the next
+        :meth:`agree`). Buffers only come free between two ``save()`` calls, so a rank that had one here still
+        has it there."""
+        if self.world == 1 or not in_process_group():
+            return
         if self._group is None:
             self._group = (dist.group.WORLD if dist.get_backend() == "gloo"
                            else dist.new_group(backend="gloo"))  # collective: every rank, first save()
-        self._flag = torch.tensor([float(level), -(deadline or _NO_DEADLINE)], dtype=torch.float64)
+        local = self._local()
+        self._flag = torch.tensor([float(local.level), -(local.deadline or _NO_DEADLINE), float(starved)],
+                                  dtype=torch.float64)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return agreed
+
+    def _local(self) -> Agreement:
+        """This rank's own notice."""
+        notice = self.notice
+        level = 0 if notice is None else notice.severity
+        deadline = notice.deadline if notice is not None and not notice.early_warning and notice.deadline else None
+        return Agreement(level, deadline)
 
     def settle(self) -> None:
         """Wait for the all-reduce in flight: every rank started it; leave no collective half-done."""

@@ -6,7 +6,10 @@ hands every rank of the node the same image by descriptor, laid out as
 found, so all of them resume from the same checkpoint. The replicated state
 is rebuilt from every saved rank's slice whatever the new world size; private
 state (``per_rank`` objects, RNG states) goes to the rank with the same
-number, and what has no owner is reported.
+number, and what has no owner is reported. Module buffers, which the saving
+ranks kept in their private state (see :mod:`dashrun.rank.snapshot`), go
+back into the replicated state: the rank's own where it saved its own, else
+rank 0's (every rank of a node has every saved rank's part in the image).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from dashrun.errors import ProtocolError, UnavailableError, UsageError
 from dashrun.rank import statetree
 from dashrun.rank.notices import in_process_group
+from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
 from dashrun.wire import image
 from dashrun.wire.agent_link import AgentLink
@@ -43,11 +47,22 @@ RESTORE_TIMEOUT = 120.0
 
 
 def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails: Sequence[int], *,
-                      copy: bool) -> dict[str, Any]:
-    """The state every rank held alike, from a restore image; ``copy=False`` gives views into it."""
+                      copy: bool, rank: int = 0) -> dict[str, Any]:
+    """The state every rank held alike, from a restore image; ``copy=False`` gives views into it.
+
+    Module buffers are saved rank ``rank``'s where it kept its own
+    (DDP with ``broadcast_buffers=False``), rank 0's otherwise.
+    """
     rep = image.meta(mapped, info, tails, 0)["replicated"]
-    return statetree.unflatten(rep["tree"], statetree.materialize(rep["tensors"], region[:info.rep_total],
-                                                                   copy=copy))
+    state = statetree.unflatten(rep["tree"], statetree.materialize(rep["tensors"], region[:info.rep_total],
+                                                                    copy=copy))
+    owners = [rank, 0] if 0 < rank < info.world else [0]
+    kept = [decode_private(region, mapped, info, tails, owner).get(BUFFERS, {}) for owner in owners]
+    for name, tree in state.items():
+        sources = [buffers[name] for buffers in kept if name in buffers]
+        if sources:  # in the state dict's own order: the buffers' keys held None in the replicated part
+            state[name] = {key: next((s[key] for s in sources if key in s), value) for key, value in tree.items()}
+    return state
 
 
 def decode_private(region: torch.Tensor, mapped, info: CheckpointInfo, tails: Sequence[int],
@@ -148,7 +163,7 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     size = os.fstat(fd).st_size
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
     region = torch.frombuffer(mapped, dtype=torch.uint8)
-    replicated = decode_replicated(region, mapped, info, tails, copy=False)
+    replicated = decode_replicated(region, mapped, info, tails, copy=False, rank=rank)
     private = decode_private(region, mapped, info, tails, rank) if rank < info.world else None
     report_world_change(info, rank, world, per_rank)
 

@@ -9,6 +9,14 @@ forward pass, for example). Parameters and optimizer state change only in
 ``optimizer.step()``, so they stay live in the :class:`Snapshot` and the
 stager (:mod:`dashrun.rank.stager`) copies them beside the next
 forward/backward.
+
+Module buffers (BatchNorm statistics, for example) are not alike on every
+rank: each rank updates them in its own forward pass. They leave the
+replicated state (their keys stay, holding None, so the state dict keeps its
+order) and go to the private state under :data:`BUFFERS`: rank 0's only —
+the rank DDP broadcasts buffers from, and the safe choice for a module
+without DDP — unless the module is a ``DistributedDataParallel`` with
+``broadcast_buffers=False``, whose buffers every rank saves as its own.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import os
 import random
 import sys
 import threading
+import weakref
 from typing import Any, Collection, Mapping
 
 import torch
@@ -28,7 +37,11 @@ from dashrun.rank import statetree
 from dashrun.util.files import unmap
 from dashrun.wire.messages import ShardHeader
 
-__all__ = ["SaveStats", "SharedBuffer", "Snapshot", "capture", "capture_rng", "stable_storages"]
+__all__ = ["BUFFERS", "SaveStats", "SharedBuffer", "Snapshot", "buffers_per_rank", "capture", "capture_rng",
+           "stable_storages"]
+
+#: The key of the private state that holds module buffers: {object name: {state_dict key: tensor}}.
+BUFFERS = "$buffers"
 
 
 @dataclasses.dataclass
@@ -119,11 +132,48 @@ def stable_storages(objects: Mapping[str, Any]) -> set[int]:
     return stable
 
 
+def buffers_per_rank(module: torch.nn.Module) -> bool:
+    """Whether every rank keeps its own buffers of ``module``: DDP that does not broadcast them."""
+    return (isinstance(module, torch.nn.parallel.DistributedDataParallel)
+            and not getattr(module, "broadcast_buffers", True))
+
+
+#: Each module's buffer names, with the state_dict keys they were found for: walking every submodule in each
+#: save() costs about a third of state_dict() itself, and a module's buffers rarely change.
+_buffer_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _split_buffers(module: torch.nn.Module, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``state`` with None for each buffer, the buffers): buffers by their state_dict keys, in order."""
+    keys = tuple(state)
+    known = _buffer_names.get(module)
+    if known is None or known[0] != keys:
+        # Every name of every buffer (a buffer registered twice has two); persistent=False ones are not in state.
+        known = _buffer_names[module] = (keys, frozenset(name for name, _ in module.named_buffers(
+            remove_duplicate=False)))
+    names = known[1]
+    held = {key: value for key, value in state.items() if key in names}
+    if not held:
+        return state, held
+    return {key: None if key in held else value for key, value in state.items()}, held
+
+
 def capture(step: int, buffer_index: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
-            emergency: bool = False) -> Snapshot:
+            rank: int = 0, emergency: bool = False) -> Snapshot:
     """The synchronous part of save(): state dicts, RNG, and private copies of what may change soon."""
-    replicated = {name: obj.state_dict() for name, obj in objects.items() if name not in per_rank}
+    replicated, buffers = {}, {}
+    for name, obj in objects.items():
+        if name in per_rank:
+            continue
+        state = obj.state_dict()
+        if isinstance(obj, torch.nn.Module):
+            state, held = _split_buffers(obj, state)
+            if held and (rank == 0 or buffers_per_rank(obj)):
+                buffers[name] = held
+        replicated[name] = state
     private = {name: objects[name].state_dict() for name in sorted(per_rank)}
+    if buffers:
+        private[BUFFERS] = buffers
     private["$rng"] = capture_rng()
     rep_tree, rep_leaves = statetree.flatten(replicated)
     priv_tree, priv_leaves = statetree.flatten(private)
@@ -136,7 +186,7 @@ def capture(step: int, buffer_index: int, objects: Mapping[str, Any], per_rank: 
 
     snapshot = Snapshot(step, buffer_index, rep_tree, [settled(x) for x in rep_leaves],
                         priv_tree, [settled(x) for x in priv_leaves], emergency=emergency)
-    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in snapshot.rep_leaves):
+    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in (*snapshot.rep_leaves, *snapshot.priv_leaves)):
         # The side stream starts after the optimizer step that produced this state.
         snapshot.gpu_done = torch.cuda.Event()
         snapshot.gpu_ready = torch.cuda.Event()

@@ -15,15 +15,29 @@ Order of operations for one snapshot, on the stager's one thread:
    :mod:`dashrun.rank.staging`); on CUDA it runs on a side stream.
 4. The agent's reply (the shard is stored in dash-memd, or not) releases the
    buffer and counts the shard stored or failed.
+
+A buffer whose hand-over went unanswered (the link to the agent dropped
+first) may still be streaming: the agent keeps delivering a fully staged
+shard whatever happens to its rank. The agent is given a descriptor of its
+own open file of the segment, carrying a read lock (an open file
+description lock) that lives as long as anything holds that open file —
+the descriptor in flight in the socket, the agent's descriptor or mapping —
+and goes when they go or the agent dies. Such a buffer is written again
+only once no lock is left; until then it is set aside for a fresh segment
+(at most :data:`MAX_SET_ASIDE` at a time, then snapshots are skipped).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import hashlib
 import json
 import logging
+import os
+import struct
 import threading
+import time
 from typing import Any
 
 import torch
@@ -38,7 +52,8 @@ from dashrun.wire.agent_messages import Progress, SnapshotReply, SnapshotRequest
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import Kind
 
-__all__ = ["FORCED_SAVE_TIMEOUT", "META_FORMAT", "PIECE", "PROGRESS_EVERY", "SAVE", "STORE", "Stager", "split"]
+__all__ = ["FORCED_SAVE_TIMEOUT", "LOOK_AGAIN", "MAX_SET_ASIDE", "META_FORMAT", "PIECE", "PROGRESS_EVERY", "SAVE",
+           "STORE", "Stager", "lend", "lent_out", "split"]
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +67,34 @@ PROGRESS_EVERY = 8 << 20
 #: rest of saving and restoring (skipped or unconfirmed snapshots, a restore waiting), which a stored shard clears.
 STORE = "store"
 SAVE = "save"
+#: Segments set aside at a time because the agent may still be reading them (see the module docstring).
+MAX_SET_ASIDE = 2
+#: How often a forced save waiting for a buffer looks whether the agent let go of one (that notifies nobody).
+LOOK_AGAIN = 0.1
+_FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
 
 Copy = tuple[Any, int, int, int]  # (leaf, first byte, end byte, offset in the shard)
+
+
+def lend(fd: int) -> tuple[int | None, bool]:
+    """A descriptor of the segment ``fd`` for the agent (to close once sent), and whether it carries the read lock
+    that tells when no one holds it any more: its own read-only open file, locked. (None, False) where that cannot
+    be made (no /proc, out of descriptors): ``fd`` itself goes, and its buffer, if unanswered, is never reused."""
+    try:
+        lent = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None, False
+    try:
+        fcntl.fcntl(lent, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError:
+        return lent, False
+    return lent, True
+
+
+def lent_out(fd: int) -> bool:
+    """Whether a descriptor :func:`lend` made of the segment ``fd`` is still held anywhere (its lock stands)."""
+    held = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    return struct.unpack(_FLOCK, held)[0] != fcntl.F_UNLCK
 
 
 def split(total: int, rank: int, world: int) -> tuple[int, int]:
@@ -76,6 +117,9 @@ class Stager:
         self.problems = problems
         self._buffers: list[SharedBuffer | None] = [None, None]
         self._reserved: set[int] = set()         # buffers save() gave to a snapshot the stager has not laid out
+        # Buffers whose hand-over went unanswered -> whether their lock tells when the agent lets go of them.
+        self._unanswered: dict[int, bool] = {}
+        self._set_aside: list[SharedBuffer] = []  # out of use until the agent lets go of them
         self._cond = threading.Condition()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dashrun-stage")
         self.side_stream = None  # the CUDA stream the copies from the GPU run on, made on first use
@@ -84,17 +128,42 @@ class Stager:
 
     def reserve(self, wait: bool) -> int | None:
         """Reserve a staging buffer that dash-memd is done with (waiting for one only if ``wait``)."""
-        def free() -> int | None:
-            return next((i for i, b in enumerate(self._buffers)
-                         if (b is None or not b.busy) and i not in self._reserved), None)
-
+        deadline = time.monotonic() + FORCED_SAVE_TIMEOUT
         with self._cond:
-            if wait:
-                self._cond.wait_for(lambda: free() is not None, timeout=FORCED_SAVE_TIMEOUT)
-            index = free()
+            while (index := self._free()) is None and wait and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(min(left, LOOK_AGAIN) if self._unanswered else left)
             if index is not None:
                 self._reserved.add(index)
             return index
+
+    def has_free(self) -> bool:
+        """Whether a snapshot could start now without waiting for a buffer (nothing is reserved)."""
+        with self._cond:
+            return self._free() is not None
+
+    def _free(self) -> int | None:
+        """A buffer to write the next snapshot into, if one is free (call with the lock held)."""
+        self._settle()
+        return next((i for i, b in enumerate(self._buffers) if (b is None or not b.busy)
+                     and i not in self._reserved and i not in self._unanswered), None)
+
+    def _settle(self) -> None:
+        """Let go of set-aside segments no one reads any more; set aside unanswered buffers that someone may."""
+        for buffer in [b for b in self._set_aside if not lent_out(b.fd)]:
+            self._set_aside.remove(buffer)
+            buffer.close()
+        for index, locked in list(self._unanswered.items()):
+            buffer = self._buffers[index]
+            if locked and not lent_out(buffer.fd):
+                del self._unanswered[index]  # the agent is done with it (or gone): written again as it is
+            elif not locked:  # no way to tell when the agent lets go: never written again, freed with its last holder
+                del self._unanswered[index]
+                self._buffers[index] = None
+                buffer.close()
+            elif len(self._set_aside) < MAX_SET_ASIDE:
+                del self._unanswered[index]
+                self._buffers[index] = None  # the next snapshot in this place gets a fresh segment
+                self._set_aside.append(buffer)
 
     def _buffer(self, index: int, nbytes: int) -> SharedBuffer:
         """The reserved buffer ``index``, at least ``nbytes`` large, marked busy (call with the lock held)."""
@@ -109,12 +178,15 @@ class Stager:
         self._reserved.discard(index)
         return buffer
 
-    def _release(self, snapshot: Snapshot, future: concurrent.futures.Future) -> None:
-        """The agent answered the SNAPSHOT: the buffer is free again, the shard stored or not."""
+    def _release(self, snapshot: Snapshot, future: concurrent.futures.Future, locked: bool) -> None:
+        """The agent answered the SNAPSHOT (the buffer is free again, the shard stored or not), or the link dropped
+        first (the agent may still be streaming the buffer: it waits, see :meth:`_settle`)."""
+        error = future.exception()
         with self._cond:
             snapshot.buffer.busy = False
+            if error is not None and not getattr(future, "answered", True):
+                self._unanswered[snapshot.buffer_index] = locked
             self._cond.notify_all()
-        error = future.exception()
         if error is None:
             try:
                 SnapshotReply.from_body(future.result().body)
@@ -140,7 +212,8 @@ class Stager:
         rep_offsets, rep_total = statetree.plan(snapshot.rep_leaves)
         rep_desc = {"tree": snapshot.rep_tree, "tensors": statetree.describe(snapshot.rep_leaves, rep_offsets),
                     "total": rep_total}
-        rep_json = json.dumps(rep_desc, separators=(",", ":"), sort_keys=True).encode()
+        # Keys in their order, never sorted: state dicts are ordered, and restore gives them back as they were.
+        rep_json = json.dumps(rep_desc, separators=(",", ":")).encode()
         priv_offsets, priv_len = statetree.plan(snapshot.priv_leaves)
         # Every rank holds the same description of the replicated state; rank 0 carries it.
         meta = json.dumps({
@@ -185,10 +258,16 @@ class Stager:
         # The rank checksums as it copies (on CPU, with dashrun's C helper); otherwise the agent does.
         checksum = staging.streaming and snapshot.gpu_done is None
         request = SnapshotRequest(snapshot.header, ready=0, emergency=snapshot.emergency, checksum=checksum)
-        snapshot.result = self.link.request(Kind.SNAPSHOT, request.to_body(), fds=[snapshot.buffer.fd])
+        lent, locked = lend(snapshot.buffer.fd)
+        try:
+            snapshot.result = self.link.request(Kind.SNAPSHOT, request.to_body(),
+                                                fds=[snapshot.buffer.fd if lent is None else lent])
+        finally:
+            if lent is not None:
+                os.close(lent)
         snapshot.handed.set()
         crash_point("rank.handoff", rank=self.rank, step=snapshot.step)
-        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f))
+        snapshot.result.add_done_callback(lambda f: self._release(snapshot, f, locked))
         request_id = snapshot.result.request_id
         try:
             if snapshot.gpu_done is not None:
@@ -251,7 +330,9 @@ class Stager:
 
     def close(self) -> None:
         """Free both buffers (after :meth:`stop`; the agent keeps its own descriptor of one it still sends)."""
-        for buffer in self._buffers:
+        for buffer in [*self._buffers, *self._set_aside]:
             if buffer is not None:
                 buffer.close()
         self._buffers = [None, None]
+        self._set_aside.clear()
+        self._unanswered.clear()

@@ -12,7 +12,9 @@ Points: ``rank.staging`` (half the background copy done), ``rank.handoff``
 (snapshot handed to the agent, reply not yet read), ``channel.mid_data``
 (first chunk of a data frame sent), ``disk.mid_write`` (first shard file
 written, manifest not), ``disk.before_rename`` (all written, not yet renamed
-into place).
+into place), ``disk.mid_replace`` (a new attempt at a step on disk swapped in,
+the old one not yet removed; without RENAME_EXCHANGE: the old one moved aside,
+the new one not yet in place).
 """
 
 from __future__ import annotations

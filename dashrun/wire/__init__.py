@@ -2,9 +2,10 @@
 
 ``protocol`` (the frame: header, JSON body, data with its CRC-32C; field checks),
 ``messages`` (shards, checkpoints, launch specs, notices), ``agent_messages``
-(rank <-> dash-agent), ``channel`` (frames over a socket), ``auth`` (the token
-handshake), ``memd_client`` (dash-memd's client), ``agent_link`` (a rank's
-link to its agent), ``image`` (a committed checkpoint laid out in one buffer).
+(rank <-> dash-agent), ``channel`` (frames over a socket), ``tls`` (TLS on TCP
+links and the channel binding), ``auth`` (the token handshake, bound to TLS),
+``memd_client`` (dash-memd's client), ``agent_link`` (a rank's link to its
+agent), ``image`` (a committed checkpoint laid out in one buffer).
 Nothing here imports torch.
 """
 

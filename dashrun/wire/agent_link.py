@@ -4,7 +4,9 @@ Requests carry an ``id`` and may overlap (a snapshot in flight while the rank
 waits for a commit); a reader thread matches replies to futures. Nothing
 here blocks a rank for long: connecting and every request have timeouts,
 and if the agent goes away every pending request fails at once with
-UnavailableError — the rank reports it and trains on.
+UnavailableError — the rank reports it and trains on. Each future carries
+its ``request_id`` and ``answered``: whether the agent replied, or the link
+dropped first (a SNAPSHOT's segment may then still be streaming).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class AgentLink:
                 fds: Sequence[int] = ()) -> concurrent.futures.Future[Frame]:
         """Send a request; the future resolves to the OK reply or fails with the agent's error."""
         future: concurrent.futures.Future[Frame] = concurrent.futures.Future()
+        future.answered = False
         with self._lock:
             request_id = future.request_id = next(self._ids)
             try:
@@ -104,7 +107,9 @@ class AgentLink:
                 future = self._pending.pop(frame.body.get("id"), None)
                 if future is None:
                     frame.close_fds()
-                elif frame.kind == Kind.ERROR:
+                    continue
+                future.answered = True
+                if frame.kind == Kind.ERROR:
                     frame.close_fds()
                     future.set_exception(errors.from_code(str(frame.body.get("code", "")),
                                                           str(frame.body.get("message", ""))))

@@ -1,8 +1,10 @@
 """Frames over a socket: the I/O half of :mod:`dashrun.wire.protocol`.
 
 A :class:`Channel` sends and receives whole frames on a TCP or Unix stream
-socket. Receiving is two-phase: :meth:`Channel.recv` returns the header and
-the validated body, and the caller then decides where the data goes
+socket; a TCP one may be an ``ssl.SSLSocket`` (:mod:`dashrun.wire.tls`), read
+and written the same way (file descriptors travel on Unix sockets only).
+Receiving is two-phase: :meth:`Channel.recv` returns the header and the
+validated body, and the caller then decides where the data goes
 (:meth:`Channel.recv_data_into`), so a shard lands straight in its final
 buffer and a refused one is never allocated. Large data is sent straight
 from the caller's memoryviews (a shared-memory mapping, a RAM buffer), never

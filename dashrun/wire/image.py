@@ -8,15 +8,19 @@ that every local rank maps; ``dashrun export`` fetches into memory.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
+from dashrun.util.boundedjson import loads_bounded
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["fetch", "layout", "meta"]
+__all__ = ["MAX_META_DEPTH", "fetch", "layout", "meta"]
 
 _ALIGN = 64
+#: Deepest nesting accepted in a layout description. It mirrors the state dict's own nesting (up to three
+#: levels per level of it, where types JSON lacks are tagged), and the rank that wrote it walked the state
+#: recursively, so Python's recursion limit stopped it well short of this: any state that saved restores.
+MAX_META_DEPTH = 2048
 
 
 def _align(n: int) -> int:
@@ -48,4 +52,4 @@ def meta(image, info: CheckpointInfo, tails: list[int], rank: int) -> dict[str, 
     """The layout description saved rank ``rank`` wrote (rank 0's also describes the replicated state)."""
     shard = info.shards[rank]
     start = tails[rank] + shard.private_len
-    return json.loads(bytes(image[start:start + shard.meta_len]))
+    return loads_bounded(image[start:start + shard.meta_len], MAX_META_DEPTH)

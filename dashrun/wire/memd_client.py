@@ -1,4 +1,4 @@
-"""A client of dash-memd: one authenticated TCP connection, requests one at a time.
+"""A client of dash-memd: one authenticated (and, unless ``--no-tls``, TLS) connection, requests one at a time.
 
 Used by dash-agent (shards in, restores out) and by the ``dashrun``
 commands. A broken connection is dropped and the next request reconnects;
@@ -7,7 +7,6 @@ retrying is the caller's decision.
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any, Callable, Sequence
 
@@ -16,14 +15,17 @@ from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel
 from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import MAX_BYTES, Kind
+from dashrun.wire.tls import TlsSettings, connect
 
 __all__ = ["MemdClient"]
 
 
 class MemdClient:
-    def __init__(self, host: str, port: int, token: bytes, *, timeout: float = 60.0, connect_timeout: float = 5.0):
+    def __init__(self, host: str, port: int, token: bytes, *, timeout: float = 60.0, connect_timeout: float = 5.0,
+                 tls: TlsSettings = TlsSettings()):
         self.host, self.port = host, port
         self._token = token
+        self.tls = tls
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._ch: Channel | None = None
@@ -46,17 +48,11 @@ class MemdClient:
 
     def _channel(self) -> Channel:
         if self._ch is None:
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
-            except OSError as e:
-                raise UnavailableError(f"cannot reach dash-memd at {self.address}: {e.strerror or e}",
-                                       hint="is dash-memd running there, and is --memd right?") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock = connect(self.host, self.port, self.tls, timeout=self.timeout, connect_timeout=self.connect_timeout)
             ch = Channel(sock)
             try:
                 ch.settimeout(self.timeout)
-                client_handshake(ch, self._token)
+                client_handshake(ch, self._token, self.address)
             except BaseException:
                 ch.close()
                 raise

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
+import json
 import time
 from typing import Any, ClassVar, Mapping
 
-from dashrun.errors import ProtocolError
+from dashrun.errors import AuthError, ProtocolError
 from dashrun.wire.protocol import (
     HEX_DIGEST,
     MAX_BODY,
     MAX_BYTES,
     MAX_WORLD,
     field_bool,
+    field_digest,
     field_float,
     field_int,
     field_job,
@@ -154,15 +158,25 @@ class JobSpec:
 
     ``argv`` is the dashrun command line without the node-specific options
     (``--memd``, ``--token-file``), and ``cwd`` the directory it ran in.
+    ``mac`` is HMAC-SHA256 under the cluster's token over the job id and every
+    other field (:meth:`signed`): whoever can write where dash-memd keeps specs
+    (its disk, the bucket) but does not hold the token cannot make a node run
+    a command of theirs, since ``resume`` runs only a spec that :meth:`verify`
+    accepts. A spec stored before specs were signed has no ``mac``.
     """
 
     argv: tuple[str, ...]
     cwd: str
     host: str
     created: float
+    mac: str = ""
+
+    #: Names what the MAC is of, so that it can never pass for any other HMAC under the token.
+    MAC_PURPOSE: ClassVar[str] = "dashrun launch spec v1"
 
     def to_body(self) -> dict[str, Any]:
-        return {"argv": list(self.argv), "cwd": self.cwd, "host": self.host, "created": self.created}
+        body = {"argv": list(self.argv), "cwd": self.cwd, "host": self.host, "created": self.created}
+        return {**body, "mac": self.mac} if self.mac else body
 
     @classmethod
     def from_body(cls, body: dict) -> JobSpec:
@@ -171,7 +185,31 @@ class JobSpec:
                 or not all(isinstance(a, str) and len(a) <= MAX_ARG_LEN for a in argv)):
             raise ProtocolError(f"field 'argv' must be a list of at most {MAX_ARGS} strings")
         return cls(argv=tuple(argv), cwd=field_str(body, "cwd", 4096), host=field_str(body, "host", 255),
-                   created=field_float(body, "created", 0.0, 1e11))
+                   created=field_float(body, "created", 0.0, 1e11),
+                   mac=field_digest(body, "mac") if body.get("mac") is not None else "")
+
+    def _mac(self, job: str, token: bytes) -> str:
+        # One JSON array of strings and a float: an unambiguous encoding, the same after any round trip
+        # through the wire, a disk file or the bucket (a float's repr is exact).
+        message = json.dumps([self.MAC_PURPOSE, job, list(self.argv), self.cwd, self.host, float(self.created)],
+                             ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+        return hmac.new(token, message.encode(), hashlib.sha256).hexdigest()
+
+    def signed(self, job: str, token: bytes) -> JobSpec:
+        """This spec with its MAC for job ``job`` under the cluster's ``token``."""
+        return dataclasses.replace(self, mac=self._mac(job, token))
+
+    def verify(self, job: str, token: bytes) -> None:
+        """Raise AuthError unless the spec carries a valid MAC for job ``job`` under ``token``."""
+        if not self.mac:
+            raise AuthError(f"the launch spec of job {job!r} is not signed (stored by a dashrun older than signed "
+                            "specs, or by someone without the cluster's token)",
+                            hint="launch the job once more with dashrun (same --job-id) to store a signed spec")
+        if not hmac.compare_digest(self.mac, self._mac(job, token)):
+            raise AuthError(f"the launch spec of job {job!r} does not carry a valid MAC under this token: it was "
+                            "changed, or written by someone without the cluster's token",
+                            hint="check --token-file; if it is right, launch the job once more with dashrun "
+                                 "(same --job-id) to store a new spec")
 
 
 CLOUDS = ("aws", "gcp", "azure")

@@ -16,8 +16,9 @@ followed by a 4-byte CRC-32C trailer of that data::
 Integers are big-endian. The trailer lets a sender checksum data as it streams
 it and a receiver verify it as it arrives, so a shard is checked end to end
 without a second pass. Nothing is ever unpickled: bodies are JSON, data is
-bytes. Every length is bounded before anything is allocated for it, and every
-field a peer sends is checked by the ``parse_*`` functions below before use.
+bytes. Every length is bounded before anything is allocated for it, a body's
+JSON nesting before it is parsed (:mod:`dashrun.util.boundedjson`), and every
+field a peer sends is checked by the ``field_*`` functions below before use.
 
 This module is pure: it does no I/O (see :mod:`dashrun.wire.channel`).
 """
@@ -35,6 +36,7 @@ from typing import Any
 import crc32c as _crc32c
 
 from dashrun.errors import ProtocolError
+from dashrun.util.boundedjson import MAX_DEPTH, check_depth
 
 __all__ = ["crc32c", "decode_body", "decode_header", "encode_body", "encode_header", "field_bool", "field_digest",
            "field_float", "field_int", "field_job", "field_nonce", "field_step", "field_str", "Header", "HEADER",
@@ -148,8 +150,16 @@ def decode_body(header: Header, raw: bytes) -> dict[str, Any]:
     if crc32c(raw) != header.body_crc:
         raise ProtocolError("body checksum mismatch")
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("body is not UTF-8") from None
+    try:
+        check_depth(text)  # before the parser recurses into it, on this thread's stack
+    except ValueError:
+        raise ProtocolError(f"body nests JSON deeper than {MAX_DEPTH} levels") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:
         raise ProtocolError(f"body is not valid JSON: {type(e).__name__}") from None
     if not isinstance(body, dict):
         raise ProtocolError("body is not a JSON object")

@@ -10,14 +10,17 @@ JOB_ID=gpt-1
 TOKEN_FILE=/etc/dash/token
 
 mkdir -p /etc/dash
-# The token: from a secret store, never baked into the AMI, e.g.
-#   aws secretsmanager get-secret-value --secret-id dash-token --query SecretString --output text
-aws secretsmanager get-secret-value --secret-id dash-token --query SecretString --output text > "$TOKEN_FILE"
-chmod 600 "$TOKEN_FILE"
+# The token: from a secret store, never baked into the AMI. umask 077: the file is never readable by
+# others, not even for a moment (dashrun refuses a token file group or others may read).
+(umask 077 && aws secretsmanager get-secret-value --secret-id dash-token --query SecretString --output text \
+    > "$TOKEN_FILE")
 
 # dashrun needs the torch the AMI provides; pip keeps it and installs the rest.
 python3 -m pip install --quiet dashrun
 
-# Relaunch the job as it was launched; it resumes from the newest committed checkpoint.
+# Relaunch the job as it was launched; it resumes from the newest committed checkpoint. This runs as
+# root, so resume runs the stored command line only if it carries a valid MAC under the token (dashrun
+# signs it at launch): write access to the bucket or to dash-memd's disk alone cannot plant a command.
+# `dashrun resume --dry-run` (same options) prints what would run and runs nothing.
 # Exit 75 means preempted again with the state safe: the next replacement resumes it.
 exec dashrun resume --memd "$MEMD" --token-file "$TOKEN_FILE" --job-id "$JOB_ID"

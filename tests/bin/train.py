@@ -5,10 +5,13 @@ Run under ``dashrun`` (or torchrun). Every rank appends ``<step> <loss>`` to
 to ``OUT/final-rank<R>.pt`` so a test can compare runs bit for bit. The
 model has what makes checkpointing hard: tied weights, a BatchNorm buffer
 that changes in forward, dropout (RNG), AdamW state, an LR schedule and a
-per-rank data cursor.
+per-rank data cursor. ``--model bn`` trains a model whose replicated state
+is mostly BatchNorm statistics, which differ between ranks after each
+forward.
 """
 
 import argparse
+import json
 import os
 import random
 import time
@@ -30,6 +33,24 @@ class TiedNet(nn.Module):
 
     def forward(self, tokens):
         return self.head(self.body(self.embed(tokens)))
+
+
+class BatchNormNet(nn.Module):
+    """Mostly BatchNorm statistics: a few thousand features, so its buffers span every rank's slice."""
+
+    def __init__(self, vocab=64, width=16, features=4096):
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, width)
+        # A fixed projection, not in the state dict (persistent=False): seeded alike on every rank.
+        self.register_buffer("spread", torch.randn(width, features, generator=torch.Generator().manual_seed(5)),
+                             persistent=False)
+        self.norms = nn.Sequential(nn.BatchNorm1d(features, affine=False), nn.ReLU(),
+                                   nn.BatchNorm1d(features, affine=False))
+
+    def forward(self, tokens):
+        features = self.norms(self.embed(tokens) @ self.spread)
+        return features.view(len(tokens), self.vocab, -1).mean(-1)
 
 
 class Cursor:
@@ -65,6 +86,12 @@ def main():
                         help="after this step, stop calling save() and sleep (a long evaluation, a hang)")
     parser.add_argument("--stop-after", type=int, default=None,
                         help="end the run after this step, unfinished (its checkpoints committed)")
+    parser.add_argument("--log-stats", action="store_true",
+                        help="after each step, log the Checkpointer's counters too (a 'stats {json}' line)")
+    parser.add_argument("--model", choices=("tied", "bn"), default="tied",
+                        help="tied: tied weights, BatchNorm, dropout; bn: mostly BatchNorm statistics")
+    parser.add_argument("--no-broadcast-buffers", action="store_true",
+                        help="DDP's broadcast_buffers=False: every rank keeps its own module buffers")
     args = parser.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -79,9 +106,10 @@ def main():
         dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(0)
     random.seed(0)
-    model = TiedNet(width=args.width).to(device)
+    model = (BatchNormNet() if args.model == "bn" else TiedNet(width=args.width)).to(device)
     if distributed:
-        model = nn.parallel.DistributedDataParallel(model)
+        own_buffers = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}  # True is the default
+        model = nn.parallel.DistributedDataParallel(model, **own_buffers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     cursor = Cursor(rank)
@@ -103,6 +131,8 @@ def main():
             sched.step()
             ckpt.save(step)
             log.write(f"{step} {loss.item():.10f}\n")
+            if args.log_stats:
+                log.write(f"stats {json.dumps(vars(ckpt.stats))}\n")
             log.flush()
             if ckpt.preempted:
                 log.write(f"preempted {step}\n")

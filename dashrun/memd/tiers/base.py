@@ -44,10 +44,11 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
-        """(every complete, verified checkpoint the tier holds; what was skipped, and why)."""
+        """(every complete checkpoint the tier holds; what was skipped, and why). Complete: its manifest and
+        every shard's size check out; the shards' bytes are checked against their CRC-32C when read."""
 
     def scan(self) -> list[CheckpointInfo]:
-        """Every complete, verified checkpoint the tier holds; what was skipped is logged."""
+        """Every complete checkpoint the tier holds; what was skipped is logged."""
         found, problems = self.scan_report()
         for problem in problems:
             log.warning("%s tier: %s", self.name, problem)

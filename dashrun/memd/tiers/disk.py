@@ -2,12 +2,16 @@
 
 Durability is ``fsync always``: a checkpoint it lists has been fsynced
 (files, manifest, directories) before it was renamed into place, so a crash
-loses at most the checkpoint being written.
+loses at most the checkpoint being written. A new attempt at a step already
+on disk is swapped in with one ``renameat2(RENAME_EXCHANGE)``, so the step's
+directory always exists complete. Bytes are checked against their CRC-32C as
+they are read; a copy that fails is moved under ``quarantine/``, never deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -16,20 +20,26 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError
 from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
+from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.faults import crash_point
 from dashrun.util.files import fsync_dir, unmap, write_atomic, write_new
-from dashrun.wire.messages import CheckpointInfo, JobSpec
+from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c, valid_job_id
 
-__all__ = ["DiskTier", "file_crc"]
+__all__ = ["DiskTier", "QUARANTINE", "exchange", "file_crc"]
 
 log = logging.getLogger(__name__)
 
+#: Directory under the data dir where copies that fail their checksum are moved.
+QUARANTINE = "quarantine"
 _CHUNK = 8 << 20
+#: renameat2(2) flag: swap two paths atomically (Linux 3.15; not every file system has it).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 
 
 def file_crc(path: Path) -> int:
@@ -42,14 +52,56 @@ def file_crc(path: Path) -> int:
     return crc
 
 
+def _fd_crc(fd: int, offset: int, end: int, crc: int = 0) -> int:
+    """CRC-32C of a file's bytes ``offset:end`` continuing ``crc``, read with pread: an I/O error is an
+    OSError here, where through a mapping it would be a SIGBUS."""
+    buf = memoryview(bytearray(min(_CHUNK, max(end - offset, 1))))
+    while offset < end:
+        n = os.preadv(fd, [buf[:min(len(buf), end - offset)]], offset)
+        if n == 0:
+            break
+        crc = crc32c(buf[:n], crc)
+        offset += n
+    return crc
+
+
+def _renameat2():
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc older than glibc 2.28
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_RENAMEAT2 = _renameat2()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step; False where the kernel or the file system cannot (the caller falls back)."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    # EPERM: a seccomp filter that does not know the call; a real permission error recurs in the fallback.
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 class DiskTier(Tier):
     """Checkpoints under ``root/jobs/<job>/<step>/``: one file per shard and a manifest.
 
     A checkpoint is written into a hidden temporary directory — shard files,
     then the manifest, each fsynced — and renamed into place, so a step
     directory exists only complete. The manifest carries every shard's size
-    and CRC-32C; :meth:`scan` trusts manifests, re-verifies the shards they
-    name, and reports (never loads) anything partial or corrupt.
+    and CRC-32C; :meth:`scan` reads manifests and file sizes only and reports
+    (never loads) anything partial; the bytes are checked when read
+    (:meth:`open` with the shard's header, :meth:`check`). A copy whose bytes
+    fail goes to ``root/quarantine/<job>/<step>-<hex>`` (:meth:`quarantine`);
+    :attr:`quarantined` counts them per job.
     """
 
     name = "disk"
@@ -58,6 +110,13 @@ class DiskTier(Tier):
         self.root = Path(root)
         self.jobs = self.root / "jobs"
         self.jobs.mkdir(parents=True, exist_ok=True)
+        self.quarantine_dir = self.root / QUARANTINE
+        #: job -> copies of it in quarantine (they stay until an operator removes them)
+        self.quarantined: dict[str, int] = {}
+        if self.quarantine_dir.is_dir():
+            for job_dir in self.quarantine_dir.iterdir():
+                if job_dir.is_dir() and valid_job_id(job_dir.name):
+                    self.quarantined[job_dir.name] = sum(1 for _ in job_dir.iterdir())
 
     def _job_dir(self, job: str) -> Path:
         if not valid_job_id(job):
@@ -67,7 +126,11 @@ class DiskTier(Tier):
     def step_dir(self, job: str, step: int) -> Path:
         return self._job_dir(job) / f"{step:016d}"
 
-    def put(self, info: CheckpointInfo, shards: Sequence[memoryview]) -> None:
+    def put(self, info: CheckpointInfo, shards: Sequence[memoryview], *,
+            guard: Callable[[], bool] | None = None) -> bool:
+        """Write a checkpoint and rename it into place. ``guard``, if given, is called right before the rename:
+        if it returns False the copy is discarded and put returns False. (The caller may take a lock in it, to
+        release after put returns, so that nothing changes its mind in between.)"""
         job_dir = self._job_dir(info.job)
         if not job_dir.exists():
             job_dir.mkdir(parents=True, exist_ok=True)
@@ -82,28 +145,73 @@ class DiskTier(Tier):
             write_new(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             fsync_dir(tmp)
             crash_point("disk.before_rename", job=info.job, step=info.step)
+            if guard is not None and not guard():
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
             final = self.step_dir(info.job, info.step)
             if final.exists():  # a newer attempt at the same step replaces the old one
-                trash = job_dir / f".trash-{uuid.uuid4().hex[:8]}"
-                os.rename(final, trash)
-                os.rename(tmp, final)
+                if exchange(tmp, final):  # the old attempt now sits at tmp, removed below
+                    crash_point("disk.mid_replace", job=info.job, step=info.step)
+                else:  # a crash between these renames leaves no step directory
+                    trash = job_dir / f".trash-{uuid.uuid4().hex[:8]}"
+                    os.rename(final, trash)
+                    crash_point("disk.mid_replace", job=info.job, step=info.step)
+                    os.rename(tmp, final)
+                    tmp = trash
                 fsync_dir(job_dir)
-                shutil.rmtree(trash, ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)
             else:
                 os.rename(tmp, final)
                 fsync_dir(job_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        return True
 
-    @contextlib.contextmanager
-    def open(self, job: str, step: int, rank: int) -> Iterator[memoryview]:
+    def _open_shard(self, job: str, step: int, rank: int) -> int:
         path = self.step_dir(job, step) / f"rank-{rank:05d}.bin"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise NotFoundError(f"{job} step {step} rank {rank} is not on disk") from None
+
+    @staticmethod
+    def _check_fd(fd: int, shard: ShardHeader, offset: int = 0, crc: int = 0, most: int | None = None
+                  ) -> tuple[int, int]:
+        where = f"{shard.job} step {shard.step} rank {shard.rank} on disk"
+        if os.fstat(fd).st_size != shard.nbytes:
+            raise ChecksumError(f"{where} has the wrong size")
+        end = shard.nbytes if most is None else min(shard.nbytes, offset + most)
         try:
+            crc = _fd_crc(fd, offset, end, crc)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            raise ChecksumError(f"{where} is unreadable ({e.strerror})") from None
+        if end == shard.nbytes and crc != shard.crc:
+            raise ChecksumError(f"{where} fails its checksum")
+        return end, crc
+
+    def check(self, shard: ShardHeader, *, offset: int = 0, crc: int = 0, most: int | None = None
+              ) -> tuple[int, int]:
+        """Read one shard file: ChecksumError if its size or CRC-32C is not the header's (or it is
+        unreadable), NotFoundError if it is gone. In parts: read at most ``most`` bytes from ``offset``,
+        continuing ``crc`` (that of the bytes before); returns (where it stopped, the CRC up to there)."""
+        fd = self._open_shard(shard.job, shard.step, shard.rank)
+        try:
+            return self._check_fd(fd, shard, offset, crc, most)
+        finally:
+            # A check of everything on disk must not crowd dash-memd's RAM buffers out of the page cache.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def open(self, job: str, step: int, rank: int, shard: ShardHeader | None = None) -> Iterator[memoryview]:
+        """One shard's bytes, mapped. With its ``shard`` header, the bytes are checked first (see :meth:`check`)."""
+        fd = self._open_shard(job, step, rank)
+        try:
+            if shard is not None:
+                self._check_fd(fd, shard)  # read through the page cache: the mapping then finds the pages there
             size = os.fstat(fd).st_size
             if size == 0:
                 yield memoryview(b"")
@@ -117,6 +225,18 @@ class DiskTier(Tier):
                 unmap(mapped)
         finally:
             os.close(fd)
+
+    def quarantine(self, job: str, step: int) -> Path | None:
+        """Move a step's directory under ``quarantine/`` (not fsynced: if the move is lost in a crash, the copy
+        is found bad again); returns where it went, None if it was not there."""
+        target = self.quarantine_dir / job / f"{step:016d}-{uuid.uuid4().hex[:8]}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(self.step_dir(job, step), target)
+        except FileNotFoundError:
+            return None
+        self.quarantined[job] = self.quarantined.get(job, 0) + 1
+        return target
 
     def delete(self, job: str, step: int) -> None:
         final = self.step_dir(job, step)
@@ -142,27 +262,32 @@ class DiskTier(Tier):
             if not valid_job_id(path.parent.name):
                 continue
             try:
-                found[path.parent.name] = JobSpec.from_body(json.loads(path.read_text()))
+                found[path.parent.name] = JobSpec.from_body(loads_bounded(path.read_bytes()))
             except (ValueError, ProtocolError) as e:
                 log.warning("disk tier: ignored %s: %s", path, e)
         return found
 
     def read_manifest(self, step_dir: Path) -> CheckpointInfo:
-        raw = json.loads((step_dir / MANIFEST).read_text())
+        raw = loads_bounded((step_dir / MANIFEST).read_bytes())
         if raw.get("format") != MANIFEST_FORMAT or raw.get("version") != MANIFEST_VERSION:
             raise ValueError("unknown manifest format")
         return CheckpointInfo.from_body(raw["checkpoint"])
 
-    def verify(self, step_dir: Path, info: CheckpointInfo) -> None:
+    def verify(self, step_dir: Path, info: CheckpointInfo, *, read: bool = True) -> None:
+        """ChecksumError unless every shard file has its size and (with ``read``) its CRC-32C."""
         for shard in info.shards:
             path = step_dir / f"rank-{shard.rank:05d}.bin"
             if path.stat().st_size != shard.nbytes:
                 raise ChecksumError(f"{path.name} has the wrong size")
-            if file_crc(path) != shard.crc:
+            if read and file_crc(path) != shard.crc:
                 raise ChecksumError(f"{path.name} fails its checksum")
 
     def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
-        """(verified checkpoints, what was skipped and why). Removes leftovers of interrupted writes."""
+        """(complete checkpoints, what was skipped and why). Removes leftovers of interrupted writes.
+
+        Reads manifests and file sizes only, so a start does not wait for every shard to be read: damage of
+        the same size shows when the bytes are read (:meth:`check`).
+        """
         found: list[CheckpointInfo] = []
         problems: list[str] = []
         for job_dir in sorted(p for p in self.jobs.iterdir() if p.is_dir()):
@@ -183,7 +308,7 @@ class DiskTier(Tier):
                     info = self.read_manifest(step_dir)
                     if info.job != job_dir.name or info.step != int(step_dir.name):
                         raise ValueError("manifest describes another checkpoint")
-                    self.verify(step_dir, info)
+                    self.verify(step_dir, info, read=False)
                 except FileNotFoundError as e:
                     problems.append(f"ignored {step_dir}: incomplete ({Path(e.filename or '').name} missing)")
                 except (ValueError, KeyError, TypeError, ChecksumError, ProtocolError) as e:

@@ -63,6 +63,7 @@ from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError, UsageError
 from dashrun.memd.tiers import s3
 from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
+from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.retry import Backoff, retry
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c, valid_job_id
@@ -321,7 +322,7 @@ class ObjectTier(Tier):
     def read_manifest(self, job: str, step: int) -> CheckpointInfo:
         key = f"{self.step_key(job, step)}/{MANIFEST}"
         try:
-            raw = json.loads(self._retry(f"download {key}", functools.partial(self._get_small, key)))
+            raw = loads_bounded(self._retry(f"download {key}", functools.partial(self._get_small, key)))
             if raw.get("format") != MANIFEST_FORMAT or raw.get("version") != MANIFEST_VERSION:
                 raise ValueError("unknown manifest format")
             info = CheckpointInfo.from_body(raw["checkpoint"])
@@ -351,12 +352,23 @@ class ObjectTier(Tier):
             key = f"{prefix}{job}/{SPEC}"
             try:
                 raw = self._retry(f"download {key}", functools.partial(self._get_small, key))
-                found[job] = JobSpec.from_body(json.loads(raw))
+                found[job] = JobSpec.from_body(loads_bounded(raw))
             except NotFoundError:
                 continue
             except (ValueError, AttributeError, ProtocolError) as e:
                 log.warning("object tier: ignored s3://%s/%s: %s", self.bucket, key, e)
         return found
+
+    def steps(self, job: str) -> list[int]:
+        """The steps of ``job`` with any object in the store (a manifest or not), in order."""
+        prefix = f"{self.job_key(job)}/"
+
+        def names() -> list[str]:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix,
+                                                                          Delimiter="/")
+            return [p["Prefix"][len(prefix):-1] for page in pages for p in page.get("CommonPrefixes", [])]
+
+        return sorted(int(name) for name in self._retry(f"list {prefix}", names) if len(name) == 16 and name.isdigit())
 
     def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
         """(complete checkpoints, what was skipped and why); changes nothing in the store."""

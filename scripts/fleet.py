@@ -1,0 +1,375 @@
+#!/usr/bin/env python3
+"""Simulated nodes against one dash-memd: the harness of ``soak.py`` (and of fan-in benchmarks).
+
+A simulated node is what dashrun runs on a node, made light enough that
+sixteen of them share two cores: a real ``dash-agent`` process, and a group
+of real rank processes that checkpoint through :class:`dashrun.Checkpointer`
+over gloo, exactly as a training script does, but "train" a small state
+whose bytes are a function of the job and the step (:func:`expected_state`),
+so that any checkpoint can be checked byte for byte. The group imports
+torch once and forks its ranks; when one rank dies it kills the others and
+forks them all again, and they restore from the newest committed checkpoint,
+as torchrun's elastic agent restarts a worker group. Each node runs a job of
+its own, so nodes never wait for each other. The harness restarts a node's
+agent when it dies, as the launcher does.
+
+Each node's directory holds the agent's and the ranks' logs and ``claims``,
+where the ranks append what dashrun told them: ``committed STEP`` when
+rank 0's ``Checkpointer.wait()`` said its newest snapshot is committed,
+``restored STEP ok`` (or ``bad``) after each rank checked what
+``restore()`` gave it.
+
+Run as ``fleet.py group ...`` it is a node's group of ranks (started by
+:class:`SimNode`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+
+from dashrun.util import daemon  # noqa: E402
+from dashrun.wire.memd_client import MemdClient  # noqa: E402
+
+__all__ = ["MemdProcess", "NodeSpec", "SimNode", "expected_state", "verify_checkpoint"]
+
+HERE = Path(__file__).resolve()
+
+
+class MemdProcess:
+    """A dash-memd process of the harness: started, killed (SIGKILL) and started again on the same port and data."""
+
+    def __init__(self, workdir: Path, token_file: Path, *extra: str):
+        self.data_dir = workdir / "memd-data"
+        self.log_path = workdir / "memd.log"
+        self.token_file = token_file
+        self.token = token_file.read_bytes().strip()
+        self.extra = extra
+        self.host, self.port = "127.0.0.1", 0
+        self.proc: subprocess.Popen | None = None
+        self._ready = workdir / "memd.ready"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> MemdProcess:
+        self._ready.unlink(missing_ok=True)
+        self.proc = daemon.start(
+            [sys.executable, "-m", "dashrun.memd", "start", "--listen", f"{self.host}:{self.port}",
+             "--data-dir", str(self.data_dir), "--token-file", str(self.token_file), "--ready-file", str(self._ready),
+             *self.extra], ready=daemon.file_written(self._ready), what="dash-memd", log=self.log_path, timeout=120)
+        self.port = int(self._ready.read_text().strip().rsplit(":", 1)[1])
+        return self
+
+    def kill(self) -> None:
+        daemon.stop(self.proc, timeout=0)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            daemon.stop(self.proc, timeout=60)
+
+    def client(self, **kwargs) -> MemdClient:
+        return MemdClient(self.host, self.port, self.token, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+    """What each simulated node runs."""
+
+    ranks: int = 2
+    #: bytes of replicated state (split between the ranks), in KiB
+    state_kib: int = 64
+    #: seconds of "training" per step
+    step_time: float = 0.2
+    #: steps between checkpoints
+    interval: int = 5
+    #: rank 0 asks whether its newest snapshot is committed after every this many snapshots
+    confirm_every: int = 3
+
+
+def expected_state(job: str, step: int, numel: int):
+    """The parameters every rank of ``job`` holds after ``step``: the same bytes wherever they are computed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{job}:{step}".encode()))
+    return torch.randn(numel, generator=generator)
+
+
+def numel_of(spec_kib: int) -> int:
+    return spec_kib * 1024 // 4
+
+
+def verify_checkpoint(client: MemdClient, job: str, step: int, state_kib: int) -> str | None:
+    """Read a committed checkpoint back (every shard's CRC-32C checked) and compare it with the state it must
+    hold; None if it is right, else what is wrong."""
+    import torch
+
+    from dashrun.launch.export import fetch_state
+
+    info, state = fetch_state(client, job, step)
+    if not torch.equal(state["model"]["weight"], expected_state(job, step, numel_of(state_kib))):
+        return f"{job} step {step}: wrong parameters"
+    for rank in range(info.world):
+        if state["per_rank"][str(rank)]["data"] != {"rank": rank, "position": step}:
+            return f"{job} step {step}: wrong state of rank {rank}"
+    return None
+
+
+class SimNode:
+    """One simulated node: its dash-agent and its group of ranks (a job of its own), under the harness."""
+
+    def __init__(self, index: int, memd: MemdProcess, workdir: Path, spec: NodeSpec):
+        self.index = index
+        self.job = f"sim-{index:03d}"
+        self.memd = memd
+        self.spec = spec
+        self.dir = workdir / f"node-{index:03d}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket_path = self.dir / "agent.sock"
+        self.claims_path = self.dir / "claims"
+        self.agent: subprocess.Popen | None = None
+        self.group: subprocess.Popen | None = None
+        self.agent_restarts = self.group_restarts = 0
+
+    def start(self) -> SimNode:
+        self._start_agent()
+        self._start_group()
+        return self
+
+    def _start_agent(self) -> None:
+        self.agent = daemon.start(
+            [sys.executable, "-m", "dashrun.agent", "--memd", self.memd.address, "--token-file",
+             str(self.memd.token_file), "--socket", str(self.socket_path), "--job-id", self.job, "--cloud", "none",
+             "--memd-timeout", "10", "--drain-timeout", "5"],
+            ready=daemon.accepting(self.socket_path), what=f"dash-agent of {self.job}", log=self.dir / "agent.log",
+            timeout=120, start_new_session=True)
+
+    def _start_group(self) -> None:
+        spec = self.spec
+        with open(self.dir / "group.log", "ab") as log:
+            self.group = subprocess.Popen(
+                [sys.executable, str(HERE), "group", "--job", self.job, "--socket", str(self.socket_path),
+                 "--dir", str(self.dir), "--ranks", str(spec.ranks), "--state-kib", str(spec.state_kib),
+                 "--step-time", str(spec.step_time), "--interval", str(spec.interval),
+                 "--confirm-every", str(spec.confirm_every)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def supervise(self) -> None:
+        """Restart what died: the agent (as dashrun's launcher does), the group (it never exits by itself)."""
+        if self.agent.poll() is not None:
+            self.agent_restarts += 1
+            self._start_agent()
+        if self.group.poll() is not None:
+            self.group_restarts += 1
+            self._start_group()
+
+    def rank_pids(self) -> list[int]:
+        try:
+            return [p.pid for p in psutil.Process(self.group.pid).children()]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill_rank(self, rng: random.Random) -> bool:
+        pids = self.rank_pids()
+        if not pids:
+            return False
+        _kill(rng.choice(pids))
+        return True
+
+    def kill_agent(self) -> None:
+        _kill(self.agent.pid)
+        self.agent.wait()
+
+    def lines(self, word: str) -> list[str]:
+        try:
+            text = self.claims_path.read_text()
+        except FileNotFoundError:
+            return []
+        return [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith(word + " ")]
+
+    def claims(self) -> list[int]:
+        """The steps the node's rank 0 was told are committed, oldest first."""
+        return [int(s) for s in self.lines("committed")]
+
+    def restores(self) -> tuple[int, int]:
+        """(restores that gave the state they should, restores that did not)."""
+        results = [s.split()[-1] for s in self.lines("restored")]
+        return results.count("ok"), len(results) - results.count("ok")
+
+    def errors(self) -> int:
+        """Rank processes that stopped on an error (see the node's rank logs)."""
+        return len(self.lines("error"))
+
+    def stop(self) -> None:
+        for proc in (self.group, self.agent):
+            if proc is not None and proc.poll() is None:
+                for p in _tree(proc.pid):
+                    _kill(p)
+                proc.wait()
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# --- a node's group of ranks (``fleet.py group``) -------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _append(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def group_main(args: argparse.Namespace) -> None:
+    """Fork the ranks; when one exits, kill the rest and fork them all again (a new generation)."""
+    import torch  # once, here: the forked ranks share it
+
+    import dashrun.rank.checkpointer  # noqa: F401
+    torch.set_num_threads(1)
+    ranks: dict[int, int] = {}  # pid -> rank
+    signal.signal(signal.SIGTERM, lambda *_: _stop_group(ranks, 0))
+    for generation in itertools.count():
+        port = _free_port()
+        for rank in range(args.ranks):
+            pid = os.fork()
+            if pid == 0:
+                _rank_process(args, rank, port)
+            ranks[pid] = rank
+        pid, _ = os.wait()  # the first rank to go takes its generation with it
+        ranks.pop(pid, None)
+        for other in ranks:
+            _kill(other)
+        for other in list(ranks):
+            os.waitpid(other, 0)
+        ranks.clear()
+
+
+def _stop_group(ranks: dict[int, int], code: int) -> None:
+    for pid in ranks:
+        _kill(pid)
+    os._exit(code)
+
+
+def _rank_process(args: argparse.Namespace, rank: int, port: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = 0
+    try:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks),
+                          LOCAL_WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          DASH_AGENT_SOCKET=args.socket, DASH_JOB_ID=args.job)
+        handler = logging.FileHandler(Path(args.dir) / f"rank-{rank}.log")
+        handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(message)s", "%H:%M:%S"))
+        logging.getLogger("dashrun").addHandler(handler)
+        logging.getLogger("dashrun").setLevel(logging.INFO)
+        rank_loop(args, rank)
+    except BaseException as e:  # the group forks the generation again; the harness counts these
+        code = 1
+        with open(Path(args.dir) / f"rank-{rank}.log", "a") as log:
+            traceback.print_exc(file=log)
+        _append(Path(args.dir) / "claims", f"error rank {rank}: {type(e).__name__}")
+    finally:
+        os._exit(code)
+
+
+class Cursor:
+    """The rank's private state: which rank it is and the step it is at."""
+
+    def __init__(self, rank: int):
+        self.rank, self.position = rank, -1
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rank, self.position = state["rank"], state["position"]
+
+
+def rank_loop(args: argparse.Namespace, rank: int) -> None:
+    """One rank: restore and check what came back, then a step and a save() every ``step_time``, forever."""
+    import torch
+    import torch.distributed as dist
+
+    from dashrun.rank.checkpointer import Checkpointer
+
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    numel = numel_of(args.state_kib)
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
+    cursor = Cursor(rank)
+    ckpt = Checkpointer(model=model, data=cursor, interval=args.interval)
+    claims = Path(args.dir) / "claims"
+    start = ckpt.restore()
+    if start:
+        right = torch.equal(model.weight.data, expected_state(args.job, start - 1, numel)) and \
+            cursor.state_dict() == {"rank": rank, "position": start - 1}
+        _append(claims, f"restored {start - 1} {'ok' if right else 'bad'}")
+    snapshots = 0
+    for step in itertools.count(start):
+        model.weight.data.copy_(expected_state(args.job, step, numel))
+        cursor.position = step
+        if ckpt.save(step):
+            snapshots += 1
+            if rank == 0 and snapshots % args.confirm_every == 0 and ckpt.wait(timeout=10.0):
+                _append(claims, f"committed {step}")
+        time.sleep(args.step_time)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    group = sub.add_parser("group", help="a node's group of ranks (started by SimNode)")
+    group.add_argument("--job", required=True)
+    group.add_argument("--socket", required=True)
+    group.add_argument("--dir", required=True)
+    group.add_argument("--ranks", type=int, default=2)
+    group.add_argument("--state-kib", type=int, default=64)
+    group.add_argument("--step-time", type=float, default=0.2)
+    group.add_argument("--interval", type=int, default=5)
+    group.add_argument("--confirm-every", type=int, default=3)
+    args = parser.parse_args()
+    group_main(args)
+
+
+if __name__ == "__main__":
+    main()

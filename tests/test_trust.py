@@ -1,0 +1,159 @@
+"""What dashrun takes only from someone who holds the cluster's token, with real processes.
+
+A token file that group or others may open is refused by every command that
+reads one, as ssh refuses a private key others may read. A stored launch spec
+runs only with a valid MAC under the token: write access to where dash-memd
+keeps specs (its disk, the bucket) is not enough to make a node run a command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import kill_tree
+
+from dashrun.errors import UsageError
+from dashrun.memd.tiers.base import SPEC
+from dashrun.util.tokens import read_token, write_token
+from dashrun.wire.messages import JobSpec
+
+
+def resume(memd, job: str, *extra: str, cwd: Path) -> subprocess.Popen:
+    """``dashrun resume`` of ``job`` against ``memd``, started (many run side by side: each takes a while to start)."""
+    return subprocess.Popen([sys.executable, "-m", "dashrun", "resume", "--job-id", job, "--memd", memd.address,
+                             "--token-file", str(memd.token_file), *memd.tls_args, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int | None, str, str]:
+    """Exit code and output of a command expected to end by itself; None if it was still running after 30 s."""
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        return None, "", "still running after 30 s"
+    return proc.returncode, out, err
+
+
+def stop_all(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            kill_tree(proc)
+        proc.communicate()
+
+
+# --- the token file --------------------------------------------------------------------------
+
+
+def test_a_token_file_group_or_others_may_open_is_refused_with_the_chmod_hint(tmp_path):
+    path = tmp_path / "token"
+    token = write_token(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_token(path) == token
+    path.chmod(0o400)
+    assert read_token(path) == token
+    for mode in (0o640, 0o604, 0o620, 0o602, 0o610, 0o644, 0o660, 0o666, 0o777):
+        path.chmod(mode)
+        with pytest.raises(UsageError) as refused:
+            read_token(path)
+        assert refused.value.message == f"token file {path} is open to group or others (mode {mode:04o})"
+        assert refused.value.hint == f"chmod 600 {path}"
+    # A pipe (--token-file <(vault read ...)) holds the token in transit only: read as before.
+    r, w = os.pipe()
+    try:
+        os.write(w, token + b"\n")
+        os.close(w)
+        assert read_token(f"/dev/fd/{r}") == token
+    finally:
+        os.close(r)
+
+
+def test_every_command_refuses_a_token_file_others_may_read(tmp_path, short_tmp):
+    """dash-memd, dash-agent and dashrun's commands (the launcher reads it with the same read_token, once it parsed
+    torchrun's flags with torch's own parser: not started here, torch takes long to import)."""
+    token = tmp_path / "token"
+    write_token(token)
+    token.chmod(0o644)
+    py = sys.executable
+    nowhere = ["--memd", "127.0.0.1:1", "--token-file", str(token)]
+    commands = {
+        "dash-memd": [py, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
+                      "--token-file", str(token)],
+        "dash-agent": [py, "-m", "dashrun.agent", *nowhere, "--socket", str(short_tmp / "a.sock")],
+        "dashrun status": [py, "-m", "dashrun", "status", *nowhere],
+        "dashrun resume": [py, "-m", "dashrun", "resume", "--job-id", "j", *nowhere],
+    }
+    running = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+               for name, cmd in commands.items()}
+    try:
+        for name, proc in running.items():
+            code, _, err = finish(proc)
+            assert code == 2, f"{name} exited {code}: {err[-2000:]}"
+            assert f"token file {token} is open to group or others (mode 0644)" in err, (name, err)
+            assert f"hint: chmod 600 {token}" in err, (name, err)
+            assert "Traceback" not in err, (name, err)
+    finally:
+        stop_all(running.values())
+    assert not (short_tmp / "a.sock").exists() and not (tmp_path / "d").exists()
+
+
+# --- the launch spec -----------------------------------------------------------------------------
+
+
+def plant(data_dir: Path, job: str, body: dict) -> None:
+    """Write a job's spec where dash-memd keeps it, as someone with write access to its disk (or the bucket)."""
+    (data_dir / "jobs" / job).mkdir(parents=True, exist_ok=True)
+    (data_dir / "jobs" / job / SPEC).write_text(json.dumps(body))
+
+
+@pytest.mark.slow
+def test_resume_runs_only_a_spec_signed_with_the_token(memd_factory, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = tmp_path / "it-ran"
+    script = work / "planted.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    argv = ("--nproc-per-node", "1", "--max-restarts", "0", str(script))
+
+    memd = memd_factory("--memory-limit", "64MiB")
+    good = JobSpec(argv, str(work), "node-1", 1.7e9).signed("good", memd.token)
+    with memd.client() as client:  # stored as the launcher stores it
+        client.put_spec("good", good)
+    memd.stop()
+    other_token = write_token(tmp_path / "other-token")
+    plant(memd.data_dir, "unsigned", JobSpec(argv, str(work), "node-1", 1.7e9).to_body())  # as before specs had MACs
+    plant(memd.data_dir, "other-cluster", JobSpec(argv, str(work), "node-1", 1.7e9).signed("other-cluster",
+                                                                                           other_token).to_body())
+    plant(memd.data_dir, "tampered", {**good.to_body(), "argv": [*argv, "--evil"]})
+    plant(memd.data_dir, "copied", good.to_body())  # a valid spec of another job
+    memd = memd_factory("--memory-limit", "64MiB", data_dir=memd.data_dir)
+
+    refusals = {(job, extra): resume(memd, job, *extra, cwd=tmp_path) for job, extra in (
+        ("unsigned", ()), ("other-cluster", ()), ("tampered", ()), ("copied", ()), ("unsigned", ("--dry-run",)))}
+    dry_run = resume(memd, "good", "--dry-run", cwd=tmp_path)
+    try:
+        for (job, extra), proc in refusals.items():
+            code, out, err = finish(proc)
+            why = "is not signed" if job == "unsigned" else "does not carry a valid MAC"
+            assert code == 1, (job, extra, out, err[-2000:])
+            assert f"the launch spec of job {job!r} {why}" in err, (job, err)
+            assert "hint: " in err and "launch the job once more" in err
+            assert "Traceback" not in err and out == ""
+        code, out, err = finish(dry_run)
+    finally:
+        stop_all([*refusals.values(), dry_run])
+    assert not marker.exists()
+
+    # --dry-run of the good one: what would run, where, with which options and environment; nothing runs.
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
+    assert lines[0].startswith("job good: launch spec stored from node-1 ") and "MAC valid" in lines[0]
+    assert lines[1:3] == [f"would run in {work}:", f"  dashrun --nproc-per-node 1 --max-restarts 0 {script}"]
+    assert "job_id=good" in lines[3] and "fresh=False" in lines[3] and f"memd={memd.address}" in lines[3]
+    assert lines[4].startswith("environment: this shell's")
+    assert not marker.exists()

@@ -11,6 +11,7 @@ connection; one that is merely refused (no space, not found) does not.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -233,6 +234,9 @@ class MemdServer:
                     raise
                 except DashError as e:  # refused, but the stream is still in step
                     ch.send_error(e)
+                except OSError as e:  # dash-memd's own files (a full disk, say): refused, logged, served on
+                    log.error("%s: %s failed: %s", who, frame.kind.name, e)
+                    ch.send_error(_refusal(e))
         except UnavailableError as e:
             log.debug("%s: %s", who, e)
         except errors.BusyError as e:  # logged in while every client slot is taken
@@ -339,3 +343,10 @@ class MemdServer:
     def _ping(self, ch: Channel, frame: Frame) -> None:
         ch.send(Kind.OK, {"pid": os.getpid()})
 
+
+def _refusal(error: OSError) -> DashError:
+    """What a client is told when dash-memd's own file system fails a request."""
+    reason = error.strerror or str(error)
+    if error.errno == errno.ENOSPC:
+        return errors.NoSpaceError(f"dash-memd's disk is full: {reason}", hint="free space in its --data-dir")
+    return errors.RemoteError(f"dash-memd could not do it: {reason}", hint="see dash-memd's log")

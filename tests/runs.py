@@ -7,6 +7,21 @@ from pathlib import Path
 
 import torch
 
+
+class Cursor:
+    """A data position: any object with state_dict/load_state_dict is checkpointed."""
+
+
+    def __init__(self, position=0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
 COMPARED = ("model", "optimizer", "scheduler", "cursor", "rng", "py_rng")
 
 

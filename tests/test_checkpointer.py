@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from conftest import load_fake_metadata, wait_for
+from runs import Cursor
 
 from dashrun.errors import UnavailableError
 from dashrun.rank import restore as restore_module
@@ -20,17 +21,6 @@ from dashrun.rank import staging
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import Kind
-
-
-class Cursor:
-    def __init__(self, position=0):
-        self.position = position
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 def trained_objects(seed=0, steps=3):

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runs import Cursor
 
 from dashrun.rank import statetree
 from dashrun.rank.snapshot import BUFFERS, capture
 from dashrun.rank.stager import split
 
 pytestmark = pytest.mark.slow  # a real dash-memd and dash-agent; DistributedDataParallel's first start
-
-
-class Cursor:
-    def __init__(self, position=0):
-        self.position = position
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 @pytest.fixture

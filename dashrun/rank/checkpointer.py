@@ -155,7 +155,8 @@ class Checkpointer:
                 return self._skip(step)
             return self._snapshot(step, force)
         finally:
-            self._notices.publish(starved=not self._stager.has_free())
+            if self._notices.shared:
+                self._notices.publish(starved=not self._stager.has_free())
 
     def _snapshot(self, step: int, wait_for_buffer: bool, emergency: bool = False) -> bool:
         started = time.perf_counter()

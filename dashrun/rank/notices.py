@@ -100,7 +100,7 @@ class NoticeBoard:
         network: every rank acts at the same step. Every rank must call
         :meth:`agree` at the start and :meth:`publish` at the end of every ``save()``.
         """
-        if self.world == 1 or not in_process_group():
+        if not self.shared:
             return self._local()
         if self._work is None:
             return Agreement()
@@ -109,11 +109,16 @@ class NoticeBoard:
         level, negated_deadline, starved = self._flag.tolist()
         return Agreement(int(level), -negated_deadline if negated_deadline > -_NO_DEADLINE else None, starved > 0)
 
+    @property
+    def shared(self) -> bool:
+        """Whether there are other ranks to agree with (else :meth:`publish` has nothing to do)."""
+        return self.world > 1 and in_process_group()
+
     def publish(self, starved: bool) -> None:
         """Start the all-reduce of this rank's notice and whether it has a staging buffer free (read by the next
         :meth:`agree`). Buffers only come free between two ``save()`` calls, so a rank that had one here still
         has it there."""
-        if self.world == 1 or not in_process_group():
+        if not self.shared:
             return
         if self._group is None:
             self._group = (dist.group.WORLD if dist.get_backend() == "gloo"

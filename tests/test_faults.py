@@ -240,8 +240,9 @@ def delivered():  # each snapshot stored before the next is due (polled, with a 
         time.sleep(0.01)
 
 def report(name, **extra):
-    (out / f"{name}-{rank}.json").write_text(json.dumps({"skipped": ckpt.stats.skipped,
-                                                         "snapshots": ckpt.stats.snapshots, **extra}))
+    part = out / f"{name}-{rank}.part"  # the test polls for the file: it appears whole, by rename
+    part.write_text(json.dumps({"skipped": ckpt.stats.skipped, "snapshots": ckpt.stats.snapshots, **extra}))
+    os.replace(part, out / f"{name}-{rank}.json")
 
 for step in range(10):
     if ckpt.save(step) and rank == 0:

@@ -55,6 +55,8 @@ log = logging.getLogger(PROGRAM)
                    "are honoured too).")
 @click.option("--poll-interval", envvar=env.POLL_INTERVAL.name, show_envvar=True, type=float, default=None,
               help="Seconds between metadata polls (default: each cloud's; GCP waits on a hanging GET).")
+@click.option("--no-prefetch", envvar=env.NO_PREFETCH.name, show_envvar=True, is_flag=True,
+              help="Do not fetch the job's newest checkpoint at start, ahead of its ranks' restore().")
 @click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True,
               help="Plaintext TCP to a dash-memd started with --no-tls (default: TLS).")
 @click.option("--tls-ca", envvar=env.TLS_CA.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
@@ -63,14 +65,15 @@ log = logging.getLogger(PROGRAM)
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def cli(memd, token_file, socket_path, parent_pid, memd_timeout, drain_timeout, job_id, cloud, metadata_endpoint,
-        poll_interval, no_tls, tls_ca, log_level) -> None:
+        poll_interval, no_prefetch, no_tls, tls_ca, log_level) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
     config = AgentConfig(memd_host=host, memd_port=port, token=read_token(token_file),
                          socket_path=Path(socket_path), memd_timeout=memd_timeout, drain_timeout=drain_timeout,
                          job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint, poll_interval=poll_interval,
-                         parent_pid=parent_pid, tls=TlsSettings.from_options(no_tls, tls_ca))
+                         parent_pid=parent_pid, tls=TlsSettings.from_options(no_tls, tls_ca),
+                         prefetch=not no_prefetch)
     sys.exit(run(config))
 
 

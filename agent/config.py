@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from pathlib import Path
 
@@ -23,6 +24,10 @@ class AgentConfig:
     memd_timeout: float = 60.0
     #: seconds a fetched restore image is kept for the node's other ranks
     restore_ttl: float = 120.0
+    #: connections a restore reads from dash-memd at once (one large shard is split between them)
+    restore_streams: int = dataclasses.field(default_factory=lambda: min(4, max(2, os.cpu_count() or 1)))
+    #: fetch the job's newest checkpoint as soon as the agent starts, ahead of its ranks' restore()
+    prefetch: bool = True
     #: seconds to finish handed-over shards on SIGTERM
     drain_timeout: float = 60.0
     #: this node's name, as dash-memd lists it among the job's nodes

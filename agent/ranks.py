@@ -345,7 +345,7 @@ class RankConnection:
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:
             request = RestoreRequest.from_body(body)
-            lease = self.agent.restores.get(request.job, request.step)
+            lease = self.agent.restores.get(request.job, request.step, request.ranks)
             if lease is None:
                 self.reply(request_id, RestoreReply(found=False).to_body())
             else:

@@ -1,9 +1,15 @@
 """Restore images: a committed checkpoint fetched once per node into shared memory that every local rank maps.
 
 A node downloads the state once however many ranks it runs: the first
-RESTORE of a (job, step) fetches it from dash-memd into a new memfd segment
-laid out as :mod:`dashrun.wire.image` says, and the node's other ranks are
-handed descriptors of the same segment. The agent drops its own descriptor
+RESTORE of a (job, step) fetches what the node's ranks need (every slice of
+the replicated state, and their own private parts; see
+:func:`dashrun.agent.planner.wanted`) through the source planner into a new
+memfd segment laid out as :mod:`dashrun.wire.image` says, and the node's
+other ranks are handed descriptors of the same segment; a rank whose private
+part is not in it yet has it fetched into place first. When the agent
+starts for a job it fetches the job's newest checkpoint at once
+(:meth:`RestoreCache.prefetch`), while the ranks are still starting, so that
+their ``restore()`` finds it on this node. The agent drops its own descriptor
 once every local rank has one, or after ``restore_ttl`` seconds. A rank being
 served holds a :class:`Lease`, a descriptor of its own, so the cache dropping
 the image meanwhile never closes (or lets the system reuse) what is being sent.
@@ -11,26 +17,35 @@ the image meanwhile never closes (or lets the system reuse) what is being sent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import mmap
 import os
 import threading
 import time
+from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.errors import ChecksumError, NotFoundError
+from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, every_cpu, wanted
+from dashrun.errors import ChecksumError, DashError, NotFoundError
 from dashrun.util.files import unmap
 from dashrun.wire import image
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["CORRUPT_FALLBACKS", "Lease", "RestoreCache", "RestoreImage"]
+__all__ = ["CORRUPT_FALLBACKS", "ClientPool", "Lease", "RestoreCache", "RestoreImage"]
 
 log = logging.getLogger(__name__)
 
 #: Corrupt newest checkpoints a restore skips before it gives up.
 CORRUPT_FALLBACKS = 5
+
+#: Seconds a connection to dash-memd may wait idle in the pool for the next restore.
+IDLE_CLIENT = 30.0
+
+#: Bytes of a restore image given memory at a time ahead of the streams that fill it.
+ALLOCATE_STEP = 8 << 20
 
 
 @dataclasses.dataclass
@@ -42,6 +57,7 @@ class RestoreImage:
     tails: list[int]  # offset of each old rank's private bytes + meta in the image
     created: float = dataclasses.field(default_factory=time.monotonic)
     handed_out: int = 0  # ranks that received a descriptor of it
+    held: set[Extent] = dataclasses.field(default_factory=set)  # the byte ranges in it
 
 
 @dataclasses.dataclass
@@ -69,32 +85,90 @@ class Lease:
         self.close()
 
 
+class ClientPool:
+    """Logged-in connections to dash-memd kept between restores: a restore opens several at once, and a TLS
+    handshake and a login each cost round trips and CPU that a small state's restore would mostly consist of.
+    A connection idle for IDLE_CLIENT seconds is closed rather than reused (well before dash-memd's own
+    --idle-timeout); one that broke reconnects on its next request (see MemdClient)."""
+
+    def __init__(self, make: Callable[[], MemdClient], most: int):
+        self.make, self.most = make, most
+        self._idle: list[tuple[MemdClient, float]] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[MemdClient]:
+        now = time.monotonic()
+        with self._lock:
+            stale = [c for c, at in self._idle if now - at > IDLE_CLIENT]
+            self._idle = [(c, at) for c, at in self._idle if now - at <= IDLE_CLIENT]
+            taken = self._idle.pop()[0] if self._idle else None
+        if taken is not None and not taken.idle_and_open():
+            stale.append(taken)
+            taken = None
+        for old in stale:
+            old.close()
+        client = taken or self.make()
+        try:
+            yield client
+        except BaseException:
+            client.close()
+            raise
+        with self._lock:
+            if len(self._idle) < self.most:
+                self._idle.append((client, time.monotonic()))
+                return
+        client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client, _ in idle:
+            client.close()
+
+
 class RestoreCache:
     """One fetch per (job, step) per node; kept briefly for the other local ranks."""
 
     def __init__(self, config: AgentConfig):
         self.config = config
+        self.clients = ClientPool(config.memd_client, config.restore_streams + 1)
         self._lock = threading.Lock()
         self._fetching: dict[str, threading.Lock] = {}
         self._images: dict[tuple[str, int], RestoreImage] = {}
+        self._waiting = 0  # ranks in get(): a fetch meanwhile is what they wait for (guarded by _lock)
 
-    def get(self, job: str, step: int | None) -> Lease | None:
+    def get(self, job: str, step: int | None, ranks: Collection[int] | None = None) -> Lease | None:
         """The image of a committed checkpoint (the newest, or ``step``); None if the job has none.
 
-        The caller closes the lease once it has sent the descriptor on.
+        The image holds the replicated state and the private parts of saved rank 0 and of ``ranks``
+        (None: of every saved rank). The caller closes the lease once it has sent the descriptor on.
 
         A newest checkpoint whose bytes fail their checksum (dash-memd drops
         one that fails in its object tier), or that is gone by the time it is
         read, gives way to the newest one then.
         """
         self.expire()
-        with self.config.memd_client() as client:
+        with self._lock:
+            self._waiting += 1
+        try:
+            return self._get_newest(job, step, ranks)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def _waited_on(self) -> bool:
+        with self._lock:
+            return self._waiting > 0
+
+    def _get_newest(self, job: str, step: int | None, ranks: Collection[int] | None) -> Lease | None:
+        with self.clients.client() as client:
             for attempt in range(1, CORRUPT_FALLBACKS + 1):
                 info = client.latest(job, step)
                 if info is None:
                     return None
                 try:
-                    return self._get(client, info)
+                    return self._get(info, ranks)
                 except (ChecksumError, NotFoundError) as e:  # corrupt, or dropped since LATEST answered
                     if step is not None or attempt == CORRUPT_FALLBACKS:
                         raise
@@ -102,42 +176,78 @@ class RestoreCache:
                               info.step, e)
         return None
 
-    def _get(self, client: MemdClient, info: CheckpointInfo) -> Lease:
+    def prefetch(self, job: str) -> None:
+        """Fetch the job's newest checkpoint now, for the ranks that are about to ask for it."""
+        try:
+            lease = self._get_newest(job, None, None)  # no rank waits for it yet
+        except DashError as e:
+            log.warning("could not fetch %s's newest checkpoint ahead of its ranks: %s", job, e)
+            return
+        if lease is not None:
+            lease.close()
+
+    def _get(self, info: CheckpointInfo, ranks: Collection[int] | None) -> Lease:
         job = info.job
         with self._lock:
             job_lock = self._fetching.setdefault(job, threading.Lock())
         with job_lock:
             with self._lock:  # expire() and handed_out() close the image's descriptor under this lock
-                image = self._images.get((job, info.step))
-                if image is not None and image.info.committed_at == info.committed_at:
-                    return Lease(image, os.dup(image.fd))
-            image = self._fetch(client, info)
+                cached = self._images.get((job, info.step))
+                lease = None
+                if cached is not None and cached.info.committed_at == info.committed_at:
+                    lease = Lease(cached, os.dup(cached.fd))
+            if lease is not None:
+                try:
+                    self._fill(cached, ranks)  # ranges this rank needs that no rank of the node needed before
+                except BaseException:
+                    lease.close()
+                    raise
+                return lease
+            fetched = self._fetch(info, ranks)
             with self._lock:
                 old = self._images.pop((job, info.step), None)
-                self._images[(job, info.step)] = image
-                lease = Lease(image, os.dup(image.fd))
+                self._images[(job, info.step)] = fetched
+                lease = Lease(fetched, os.dup(fetched.fd))
             if old is not None:
                 os.close(old.fd)
             return lease
 
-    def _fetch(self, client: MemdClient, info: CheckpointInfo) -> RestoreImage:
+    def _fetch(self, info: CheckpointInfo, ranks: Collection[int] | None) -> RestoreImage:
         tails, size = image.layout(info)
         fd = os.memfd_create(f"dashrun-restore-{info.job}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, max(size, 1))
-            started = time.monotonic()
-            mapped = mmap.mmap(fd, max(size, 1))
-            try:
-                with memoryview(mapped) as view:
-                    image.fetch(client, info, view, tails)
-            finally:
-                unmap(mapped)
-            log.info("fetched %s step %d (%d bytes) in %.2fs", info.job, info.step, info.nbytes,
-                     time.monotonic() - started)
+            fetched = RestoreImage(info, fd, tails)
+            self._fill(fetched, ranks)
         except BaseException:
             os.close(fd)
             raise
-        return RestoreImage(info, fd, tails)
+        return fetched
+
+    def _fill(self, held: RestoreImage, ranks: Collection[int] | None) -> None:
+        """Read the ranges of ``held`` that ``ranks`` need and it lacks, through the planner."""
+        info = held.info
+        missing = [e for e in wanted(info, held.tails, ranks) if e not in held.held]
+        if not missing:
+            return
+        started = time.monotonic()
+        planner = Planner([NodeCopy(held.held), MemdSource(self.clients.client, self.config.restore_streams,
+                                                           waited_on=self._waited_on)])
+        stop = threading.Event()
+        allocator = threading.Thread(target=_allocate, args=(held.fd, missing, stop, self._waited_on),
+                                     name="restore-allocate", daemon=True)
+        allocator.start()
+        mapped = mmap.mmap(held.fd, max(image.layout(info)[1], 1))
+        try:
+            with memoryview(mapped) as view:
+                served = planner.read(info, missing, view)
+        finally:
+            stop.set()
+            allocator.join()
+            unmap(mapped)
+        held.held.update(missing)
+        log.info("fetched %s step %d (%s) in %.2fs", info.job, info.step,
+                 ", ".join(f"{n} bytes from {source}" for source, n in served.items()), time.monotonic() - started)
 
     def handed_out(self, image: RestoreImage, local_ranks: int) -> None:
         """Count a rank served; once every local rank has its own descriptor, the agent's goes."""
@@ -156,3 +266,24 @@ class RestoreCache:
                 if everything or now - held.created > self.config.restore_ttl:
                     del self._images[key]
                     os.close(held.fd)
+
+
+def _allocate(fd: int, extents: list[Extent], stop: threading.Event, waited_on: Callable[[], bool]) -> None:
+    """Give the image its memory ahead of the bytes, on another core where there is one.
+
+    Fresh memory costs the kernel (and, in a VM, the host) far more per byte than receiving does; done
+    here, piece by piece in the order the streams fill them, the receivers mostly write to pages that
+    exist already. A page the receivers reach first is simply allocated by them.
+    """
+    widened = False
+    for extent in sorted(extents, key=lambda e: e.at):
+        for piece in extent.split(ALLOCATE_STEP):
+            if stop.is_set():
+                return
+            if not widened and waited_on():
+                widened = every_cpu()
+            try:
+                os.posix_fallocate(fd, piece.at, piece.nbytes)
+            except OSError:  # out of memory for it now: the receivers will say so, or manage
+                return
+

@@ -77,6 +77,9 @@ class AgentServer:
         threading.Thread(target=self._accept_loop, args=(listener,), name="agent-accept", daemon=True).start()
         log.info("serving ranks on %s, forwarding to dash-memd at %s:%d", path, self.config.memd_host,
                  self.config.memd_port)
+        if self.config.job is not None and self.config.prefetch:
+            threading.Thread(target=self.restores.prefetch, args=(self.config.job,), name="agent-prefetch",
+                             daemon=True).start()
         if self.config.cloud != "none":
             # Detecting the cloud can take a second: ranks are served meanwhile.
             threading.Thread(target=self._watch_notices, name="agent-notices", daemon=True).start()
@@ -200,6 +203,7 @@ class AgentServer:
         for conn in connections:
             conn.wait_finished(max(0.0, deadline - time.monotonic()))
         self.restores.expire(everything=True)
+        self.restores.clients.close()
         if self._poller is not None:
             self._poller.stop(timeout=2.0)
 

@@ -73,11 +73,15 @@ READY_FILE = Var("DASH_READY_FILE", "file dash-memd writes HOST:PORT to once it 
 TOKEN_OUT = Var("DASH_TOKEN_OUT", "where 'dash-memd token' writes a new token", "user", "dash-memd token")
 NO_TLS = Var("DASH_NO_TLS", "'1': plaintext TCP to and at dash-memd instead of TLS (every end must say so)", "user",
              "dashrun, dash-agent, dash-memd")
+NO_PREFETCH = Var("DASH_NO_PREFETCH", "'1': dash-agent waits for a rank's restore() before fetching the job's "
+                  "newest checkpoint", "user", "dash-agent")
 TLS_CERT = Var("DASH_TLS_CERT", "dash-memd's TLS certificate, PEM (default: an ephemeral self-signed one)", "user",
                "dash-memd")
 TLS_KEY = Var("DASH_TLS_KEY", "the key of --tls-cert, PEM (default: in the certificate's file)", "user", "dash-memd")
 TLS_CA = Var("DASH_TLS_CA", "CA certificates to also verify dash-memd's certificate and host name with", "user",
              "dashrun, dash-agent")
+AGENT_CPUS = Var("DASH_AGENT_CPUS", "CPUs for dash-agent, kept from the ranks: auto, none or a list like 6-7", "user",
+                 "dashrun")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
                "all")
 
@@ -85,7 +89,7 @@ ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,
     MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
     DRAIN_TIMEOUT, PARENT_PID, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT, IDLE_TIMEOUT,
-    SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, TLS_CERT, TLS_KEY, TLS_CA, CRASH_AT,
+    SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS, CRASH_AT,
 )
 
 

@@ -939,6 +939,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"checkpointing variants to run besides the baseline (default: all four; "
                              f"{PLAIN_KEY} is dashrun with --no-tls)")
     parser.add_argument("--json", metavar="OUT", help="write every number here")
+    parser.add_argument("--no-restore", action="store_true",
+                        help="skip restoring the same state afterwards (scripts/bench_restore.py's ways)")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the scratch directory (logs of dash-memd...)")
     parser.add_argument("--no-s3", action="store_true",
                         help="skip the object-store figures (upload and download to a local moto S3 server)")
@@ -1053,6 +1055,15 @@ def run(args, wanted, train_core, side_core, separate, procs, scratch, log) -> i
                 v.close()
 
     report(args, mach, where, mdesc, limits, run_, results, summary, began, scratch)
+    if not args.no_restore:  # restore beside save: the same state, every way of reading it back
+        import bench_restore
+
+        restored = bench_restore.measure([int(args.size_mib * MiB)], 3, procs, (train_core, side_core),
+                                         plain=PLAIN_KEY in wanted)
+        bench_restore.report(restored, mach)
+        if args.json:
+            payload = json.loads(Path(args.json).read_text())
+            Path(args.json).write_text(json.dumps({**payload, "restore": restored}, indent=1, default=str))
     return 0
 
 

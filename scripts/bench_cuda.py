@@ -248,13 +248,38 @@ def measure(args, device: torch.device, model, opt, step, scratch: Path, daemons
                 for key, value in record.items():
                     results.setdefault(name, {}).setdefault(key, []).append(value)
     ckpt.wait()
+    restores = measure_restores(ckpt, model, opt, device, scratch)
     ckpt.close()
     d2h, host = d2h_seconds(model, opt, device)
     tcp = loopback_seconds(bytes_of(host))
     del host
     waiter.close()
     dist.destroy_process_group()
-    return results, list(variants), d2h, tcp
+    return results, list(variants), d2h, tcp, restores
+
+
+def measure_restores(ckpt, model, opt, device: torch.device, scratch: Path, rounds: int = 3
+                     ) -> dict[str, list[float]]:
+    """Restore times of the newest checkpoint onto the GPU: dashrun's restore() from dash-memd's RAM, against
+    torch.load (and with mmap=True) of the warm torch.save file + load_state_dict."""
+    def torch_load(mmap: bool):
+        state = torch.load(scratch / "torch.pt", map_location=device, mmap=mmap)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+
+    ways = {"dashrun restore() from dash-memd RAM": ckpt.restore,
+            "torch.load + load_state_dict": lambda: torch_load(False),
+            "torch.load(mmap=True) + load_state_dict": lambda: torch_load(True)}
+    times: dict[str, list[float]] = {}
+    for rnd in range(rounds + 1):  # the first round warms up
+        for name, fn in ways.items():
+            sync(device)
+            started = time.perf_counter()
+            fn()
+            sync(device)
+            if rnd:
+                times.setdefault(name, []).append(time.perf_counter() - started)
+    return times
 
 
 def main() -> int:
@@ -274,7 +299,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-cuda-"))
     daemons = Daemons(scratch, memory_limit=4 * nbytes + (1 << 30))
     try:
-        results, variants, d2h, tcp = measure(args, device, model, opt, step, scratch, daemons)
+        results, variants, d2h, tcp, restores = measure(args, device, model, opt, step, scratch, daemons)
     finally:
         daemons.stop()
     shutil.rmtree(scratch, ignore_errors=True)
@@ -300,6 +325,10 @@ def main() -> int:
         print(f"| {name} | {stall * 1e3:.1f} ms | {stall * 1e3 / gib:.1f} ms | {added * 1e3:.0f} ms | {ram} |")
     print(f"| physical limit | – | – | – | {(d2h + tcp) * 1e3:.0f} ms (device-to-host into pinned memory "
           f"{gib / d2h:.1f} GiB/s, then loopback TCP {gib / tcp:.2f} GiB/s) |")
+    print("| restore onto the device | best | median |")
+    print("|---|---:|---:|")
+    for name, times in restores.items():
+        print(f"| {name} | {min(times) * 1e3:.0f} ms | {statistics.median(times) * 1e3:.0f} ms |")
     d = results["dashrun"]
     print("dashrun per block: stall " + ", ".join(f"{t * 1e3:.1f}" for t in d["stall"]) + " ms; GPU work still "
           "queued at save() " + ", ".join(f"{t * 1e3:.0f}" for t in d.get("gpu_backlog", [])) + " ms; in dash-memd "

@@ -14,10 +14,19 @@ its own, so nodes never wait for each other. The harness restarts a node's
 agent when it dies, as the launcher does.
 
 Each node's directory holds the agent's and the ranks' logs and ``claims``,
-where the ranks append what dashrun told them: ``committed STEP`` when
-rank 0's ``Checkpointer.wait()`` said its newest snapshot is committed,
-``restored STEP ok`` (or ``bad``) after each rank checked what
-``restore()`` gave it.
+where the ranks append what dashrun told them, each line ending with the
+time (``time.monotonic()``, one clock for every process of the machine):
+``committed STEP SAVED_AT AT`` when rank 0's ``Checkpointer.wait()`` said
+its newest snapshot is committed (``SAVED_AT``: when ``save()`` of that step
+was called), ``restored STEP ok AT`` (or ``bad``) after each rank checked
+what ``restore()`` gave it, and ``up STEP AT`` once a rank is ready to run
+STEP (after its restore, if any).
+
+With a gate (``NodeSpec.gate``), the ranks step and save only while the
+node's ``gate`` file exists; they agree on it every step, so that a
+benchmark can start and stop every node's checkpointing at once and keep
+restored ranks from saving (``SimNode.open_gate``/``close_gate``); each rank
+appends ``idle STEP AT`` when it stops at the closed gate.
 
 Run as ``fleet.py group ...`` it is a node's group of ranks (started by
 :class:`SimNode`).
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -47,6 +57,7 @@ import psutil  # noqa: E402
 
 from dashrun.util import daemon  # noqa: E402
 from dashrun.wire.memd_client import MemdClient  # noqa: E402
+from dashrun.wire.tls import TlsSettings  # noqa: E402
 
 __all__ = ["MemdProcess", "NodeSpec", "SimNode", "expected_state", "verify_checkpoint"]
 
@@ -74,6 +85,11 @@ class MemdProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def no_tls(self) -> bool:
+        """Started with --no-tls: its clients and the nodes' agents must say so too."""
+        return "--no-tls" in self.extra
+
     def start(self) -> MemdProcess:
         self._ready.unlink(missing_ok=True)
         self.proc = daemon.start(
@@ -91,6 +107,7 @@ class MemdProcess:
             daemon.stop(self.proc, timeout=60)
 
     def client(self, **kwargs) -> MemdClient:
+        kwargs.setdefault("tls", TlsSettings(plaintext=self.no_tls))
         return MemdClient(self.host, self.port, self.token, **kwargs)
 
 
@@ -107,14 +124,35 @@ class NodeSpec:
     interval: int = 5
     #: rank 0 asks whether its newest snapshot is committed after every this many snapshots
     confirm_every: int = 3
+    #: the ranks step only while the node's gate file exists (see the module's docstring)
+    gate: bool = False
+
+
+#: Elements between two that hold the step number in :func:`expected_state` (4 KiB of float32): every shard
+#: of a checkpoint carries its step, so shards of different steps mixed into one checkpoint are caught.
+STEP_STRIDE = 1024
+
+
+@functools.lru_cache(maxsize=4)
+def _job_base(job: str, numel: int):
+    import torch
+
+    return torch.randn(numel, generator=torch.Generator().manual_seed(zlib.crc32(job.encode())))
 
 
 def expected_state(job: str, step: int, numel: int):
-    """The parameters every rank of ``job`` holds after ``step``: the same bytes wherever they are computed."""
-    import torch
+    """The parameters every rank of ``job`` holds after ``step``: the same bytes wherever they are computed.
 
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{job}:{step}".encode()))
-    return torch.randn(numel, generator=generator)
+    Random bytes of the job, with the step written into every :data:`STEP_STRIDE`-th element: as checkable
+    as random bytes per step, but cheap to make each step (sixteen nodes' ranks share two cores)."""
+    state = _job_base(job, numel).clone()
+    state[::STEP_STRIDE] = float(step)
+    return state
+
+
+def fill_state(out, job: str, step: int) -> None:
+    """Make ``out`` (a tensor already holding this job's :func:`expected_state` of some step) that of ``step``."""
+    out[::STEP_STRIDE] = float(step)
 
 
 def numel_of(spec_kib: int) -> int:
@@ -162,7 +200,7 @@ class SimNode:
         self.agent = daemon.start(
             [sys.executable, "-m", "dashrun.agent", "--memd", self.memd.address, "--token-file",
              str(self.memd.token_file), "--socket", str(self.socket_path), "--job-id", self.job, "--cloud", "none",
-             "--memd-timeout", "10", "--drain-timeout", "5"],
+             "--memd-timeout", "10", "--drain-timeout", "5", *(["--no-tls"] if self.memd.no_tls else [])],
             ready=daemon.accepting(self.socket_path), what=f"dash-agent of {self.job}", log=self.dir / "agent.log",
             timeout=120, start_new_session=True)
 
@@ -173,7 +211,7 @@ class SimNode:
                 [sys.executable, str(HERE), "group", "--job", self.job, "--socket", str(self.socket_path),
                  "--dir", str(self.dir), "--ranks", str(spec.ranks), "--state-kib", str(spec.state_kib),
                  "--step-time", str(spec.step_time), "--interval", str(spec.interval),
-                 "--confirm-every", str(spec.confirm_every)],
+                 "--confirm-every", str(spec.confirm_every), *(["--gate"] if spec.gate else [])],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def supervise(self) -> None:
@@ -202,6 +240,23 @@ class SimNode:
         _kill(self.agent.pid)
         self.agent.wait()
 
+    def kill_ranks(self) -> list[int]:
+        """SIGKILL every rank process of the node at once (its group forks them again); returns their pids."""
+        pids = self.rank_pids()
+        for pid in pids:
+            _kill(pid)
+        return pids
+
+    @property
+    def gate_path(self) -> Path:
+        return self.dir / "gate"
+
+    def open_gate(self) -> None:
+        self.gate_path.touch()
+
+    def close_gate(self) -> None:
+        self.gate_path.unlink(missing_ok=True)
+
     def lines(self, word: str) -> list[str]:
         try:
             text = self.claims_path.read_text()
@@ -211,12 +266,25 @@ class SimNode:
 
     def claims(self) -> list[int]:
         """The steps the node's rank 0 was told are committed, oldest first."""
-        return [int(s) for s in self.lines("committed")]
+        return [int(s.split()[0]) for s in self.lines("committed")]
+
+    def commits(self) -> list[tuple[int, float, float]]:
+        """(step, when save() was called, when rank 0 was told it is committed) of each confirmation, oldest
+        first (``time.monotonic()``)."""
+        return [(int(step), float(saved), float(at)) for step, saved, at in map(str.split, self.lines("committed"))]
 
     def restores(self) -> tuple[int, int]:
         """(restores that gave the state they should, restores that did not)."""
-        results = [s.split()[-1] for s in self.lines("restored")]
+        results = [s.split()[1] for s in self.lines("restored")]
         return results.count("ok"), len(results) - results.count("ok")
+
+    def restored_at(self) -> list[tuple[int, bool, float]]:
+        """(step, right?, when) of each rank's restore, oldest first."""
+        return [(int(step), result == "ok", float(at)) for step, result, at in map(str.split, self.lines("restored"))]
+
+    def times(self, word: str) -> list[float]:
+        """When each ``up`` or ``idle`` line was written."""
+        return [float(s.split()[-1]) for s in self.lines(word)]
 
     def errors(self) -> int:
         """Rank processes that stopped on an error (see the node's rank logs)."""
@@ -267,6 +335,8 @@ def group_main(args: argparse.Namespace) -> None:
 
     import dashrun.rank.checkpointer  # noqa: F401
     torch.set_num_threads(1)
+    # The first optimizer made in a process imports seconds' worth of torch: here, once, not in every fork.
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1), requires_grad=False)], lr=0.0).step()
     ranks: dict[int, int] = {}  # pid -> rank
     signal.signal(signal.SIGTERM, lambda *_: _stop_group(ranks, 0))
     for generation in itertools.count():
@@ -336,23 +406,63 @@ def rank_loop(args: argparse.Namespace, rank: int) -> None:
     numel = numel_of(args.state_kib)
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
+    # As in training, the parameters change only in optimizer.step(), whose pre-hook waits for the copy of the
+    # last snapshot: save() need not clone them (it would, 16 MiB a save, were nothing to say they are stable).
+    optimizer = torch.optim.SGD([model.weight], lr=0.0)
     cursor = Cursor(rank)
-    ckpt = Checkpointer(model=model, data=cursor, interval=args.interval)
+    ckpt = Checkpointer(model=model, optimizer=optimizer, data=cursor, interval=args.interval)
     claims = Path(args.dir) / "claims"
     start = ckpt.restore()
     if start:
         right = torch.equal(model.weight.data, expected_state(args.job, start - 1, numel)) and \
             cursor.state_dict() == {"rank": rank, "position": start - 1}
-        _append(claims, f"restored {start - 1} {'ok' if right else 'bad'}")
+        _append(claims, f"restored {start - 1} {'ok' if right else 'bad'} {time.monotonic():.6f}")
+    _append(claims, f"up {start} {time.monotonic():.6f}")
+    model.weight.data.copy_(expected_state(args.job, start, numel))
+    gate = _Gate(Path(args.dir) / "gate", args.ranks) if args.gate else None
     snapshots = 0
-    for step in itertools.count(start):
-        model.weight.data.copy_(expected_state(args.job, step, numel))
+    step = start
+    while True:
+        if gate is not None and not gate.open(step, claims):
+            continue
+        optimizer.step()  # changes nothing (no gradients); its hook makes the parameters ours again
+        fill_state(model.weight.data, args.job, step)
         cursor.position = step
+        saved_at = time.monotonic()
         if ckpt.save(step):
             snapshots += 1
             if rank == 0 and snapshots % args.confirm_every == 0 and ckpt.wait(timeout=10.0):
-                _append(claims, f"committed {step}")
+                _append(claims, f"committed {step} {saved_at:.6f} {time.monotonic():.6f}")
         time.sleep(args.step_time)
+        step += 1
+
+
+class _Gate:
+    """The node's gate file, as every rank of the group agrees it is at each step (a MIN all-reduce)."""
+
+    #: Seconds between two looks at a closed gate.
+    POLL = 0.05
+
+    def __init__(self, path: Path, ranks: int):
+        import torch
+
+        self.path, self.ranks = path, ranks
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.was_open = False
+
+    def open(self, step: int, claims: Path) -> bool:
+        import torch.distributed as dist
+
+        self.flag[0] = int(self.path.exists())
+        if self.ranks > 1:
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MIN)
+        is_open = bool(self.flag[0])
+        if self.was_open and not is_open:
+            _append(claims, f"idle {step} {time.monotonic():.6f}")
+        self.was_open = is_open
+        if not is_open:
+            time.sleep(self.POLL)  # a closed gate: the ranks look again, together
+        return is_open
 
 
 def main() -> None:
@@ -367,6 +477,7 @@ def main() -> None:
     group.add_argument("--step-time", type=float, default=0.2)
     group.add_argument("--interval", type=int, default=5)
     group.add_argument("--confirm-every", type=int, default=3)
+    group.add_argument("--gate", action="store_true")
     args = parser.parse_args()
     group_main(args)
 

@@ -97,6 +97,7 @@ def test_reads_fall_back_to_disk_after_eviction(tmp_path):
 
 def test_full_ram_refuses_only_what_cannot_fit_safely(tmp_path):
     cat = Catalogue(RamTier(40_000), DiskTier(tmp_path / "d"), keep_ram=5, keep_disk=5)  # 2 checkpoints fit
+    cat.retention.room_wait = 0.2  # no disk writer runs here: waiting for room would not help
     for header in headers(step=1, rep_total=8192):   # ~8 KiB in RAM, not yet on disk
         deliver(cat, header)
     for header in headers(step=2, rep_total=8192):
@@ -277,6 +278,7 @@ def test_a_new_attempt_at_a_step_that_never_committed_commits(cat):
 
 def test_a_receive_that_finds_no_room_leaves_no_empty_entry(tmp_path):
     cat = Catalogue(RamTier(40_000), DiskTier(tmp_path / "d"), keep_ram=5, keep_disk=5)
+    cat.retention.room_wait = 0.2  # no disk writer runs here: waiting for room would not help
     for header in headers(step=1, rep_total=8192) + headers(step=2, rep_total=8192):
         deliver(cat, header)
     with pytest.raises(NoSpaceError):

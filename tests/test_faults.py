@@ -350,6 +350,7 @@ def test_memd_killed_mid_restore_and_restarted(memd, tmp_path, reference, launch
     monkeypatch.setenv("DASH_CRASH_AT", "channel.mid_data")  # dies once the first piece of a shard is sent
     memd.start()
     monkeypatch.delenv("DASH_CRASH_AT")
+    monkeypatch.setenv("DASH_NO_PREFETCH", "1")  # the ranks' restore() meets the crash, not the agent's prefetch
     run = launch(dashrun_cmd(memd, str(TRAIN), *args, "--out", str(out), job=job))
     wait_for(lambda: memd.proc.poll() is not None or not run.running(), 180, "dash-memd to die in the restore")
     assert memd.proc.returncode == -signal.SIGKILL, run.output()[-3000:]

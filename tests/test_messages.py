@@ -38,7 +38,7 @@ def info() -> CheckpointInfo:
     SnapshotRequest(shard(), ready=40, emergency=True, checksum=True),
     SnapshotReply(committed=True, crc=0xDEADBEEF), SnapshotReply(committed=False),
     Progress(3, ready=90), Progress(3, ready=90, crc=17), Progress(4, failed=True),
-    RestoreRequest("job-1", None, 8), RestoreRequest("job-1", 7, 1),
+    RestoreRequest("job-1", None, 8), RestoreRequest("job-1", 7, 1), RestoreRequest("job-1", 7, 4, first_rank=8),
     RestoreReply(found=False), RestoreReply(found=True, checkpoint=info(), tails=(192, 320)),
     WaitRequest("job-1", 7, 30.0), WaitReply(committed=True),
 ])
@@ -51,7 +51,8 @@ def test_the_bodies_keep_the_keys_the_wire_carried_before_they_were_typed():
                                                            "emergency": False, "checksum": False}
     assert Progress(5, ready=10, crc=1).to_body() == {"id": 5, "ready": 10, "crc": 1}
     assert Progress(5, failed=True).to_body() == {"id": 5, "failed": True}
-    assert RestoreRequest("job-1", None, 2).to_body() == {"job": "job-1", "step": None, "local_ranks": 2}
+    assert RestoreRequest("job-1", None, 2).to_body() == {"job": "job-1", "step": None, "local_ranks": 2,
+                                                         "first_rank": None}
     assert WaitRequest("job-1", 7, 3.0).to_body() == {"job": "job-1", "step": 7, "timeout": 3.0}
     assert RestoreReply(found=False).to_body() == {"found": False}
 

@@ -5,7 +5,10 @@ the same pre-processing ``torch.distributed.run`` applies. Around it, dashrun
 reaches dash-memd (or starts the private one), records the job's launch spec
 there, starts this node's dash-agent in its own process (torch's agent
 replaces signal handlers in its process) and stops it at the end, after it
-has delivered what the ranks handed over.
+has delivered what the ranks handed over. dash-agent (and the private
+dash-memd) and the ranks are started on the CPUs their placement gives
+them (:mod:`dashrun.launch.placement`): a process inherits the CPU affinity
+of the thread that starts it.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from dashrun import env
 from dashrun.env import PreemptionRecord
 from dashrun.errors import AuthError, ExitCode, UnavailableError, UsageError
 from dashrun.launch.options import LaunchOptions, apply_torchrun_defaults, options_from_args
+from dashrun.launch.placement import Placement, plan
 from dashrun.launch.preemption import PreemptionWatcher, report_preempted
 from dashrun.launch.private_memd import PrivateMemd
 from dashrun.util import daemon
+from dashrun.util.cpus import thread_affinity
 from dashrun.util.retry import Backoff, retry
 from dashrun.util.tokens import read_token
 from dashrun.wire.memd_client import MemdClient
@@ -55,13 +60,15 @@ MEMD_RETRY_PAUSE = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class NodeConfig:
-    """A launch on this node: dashrun's options, torch's launch, and the command line stored for resume."""
+    """A launch on this node: dashrun's options, torch's launch, the command line stored for resume, and
+    where dash-agent and the ranks run."""
 
     options: LaunchOptions
     argv: tuple[str, ...]
     launch_config: Any  # torch.distributed.launcher.api.LaunchConfig
     entrypoint: Any  # the program (a path) or a function, as torch's config_from_args gives it
     entrypoint_args: tuple
+    placement: Placement = Placement()
 
 
 def config_from_args(argv: list[str], args: argparse.Namespace) -> NodeConfig:
@@ -71,8 +78,10 @@ def config_from_args(argv: list[str], args: argparse.Namespace) -> NodeConfig:
     options = options_from_args(args)
     apply_torchrun_defaults(args)
     launch_config, entrypoint, entrypoint_args = torch_config_from_args(args)
+    placement = plan(options.agent_cpus, launch_config.nproc_per_node,
+                     numa_binding=getattr(launch_config, "numa_options", None) is not None)
     return NodeConfig(options=options, argv=tuple(argv), launch_config=launch_config, entrypoint=entrypoint,
-                      entrypoint_args=tuple(entrypoint_args))
+                      entrypoint_args=tuple(entrypoint_args), placement=placement)
 
 
 class AgentProcess:
@@ -80,10 +89,12 @@ class AgentProcess:
 
     It runs in its own session so that terminal signals reach only the
     launcher; ranks reconnect to a restarted agent at their next save.
+    It runs on ``cpus`` (None: where the launcher runs), restarted too.
     """
 
-    def __init__(self, options: LaunchOptions):
+    def __init__(self, options: LaunchOptions, cpus: frozenset[int] | None = None):
         self.options = options
+        self.cpus = cpus
         self._dir = Path(tempfile.mkdtemp(prefix="dashrun-"))
         self.socket_path = self._dir / "agent.sock"
         self.proc: subprocess.Popen | None = None
@@ -96,12 +107,13 @@ class AgentProcess:
         host, port = options.memd
         extra = (["--metadata-endpoint", options.metadata_endpoint] if options.metadata_endpoint else []) + (
             ["--poll-interval", str(options.poll_interval)] if options.poll_interval else [])
-        self.proc = daemon.start(
-            [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(options.token_file),
-             "--socket", str(self.socket_path), "--parent-pid", str(os.getpid()), "--job-id", options.job_id,
-             "--cloud", options.cloud, *options.tls.args(), *extra],
-            ready=daemon.accepting(self.socket_path), what="dash-agent", timeout=AGENT_START_TIMEOUT,
-            start_new_session=True)
+        with thread_affinity(self.cpus):  # the agent and every thread it starts inherit this thread's CPUs
+            self.proc = daemon.start(
+                [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file",
+                 str(options.token_file), "--socket", str(self.socket_path), "--parent-pid", str(os.getpid()),
+                 "--job-id", options.job_id, "--cloud", options.cloud, *options.tls.args(), *extra],
+                ready=daemon.accepting(self.socket_path), what="dash-agent", timeout=AGENT_START_TIMEOUT,
+                start_new_session=True)
 
     def __enter__(self) -> AgentProcess:
         try:
@@ -174,21 +186,24 @@ def run(config: NodeConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    options = config.options
+    options, placement = config.options, config.placement
     with contextlib.ExitStack() as stack:
         if options.memd is None:
-            private = stack.enter_context(PrivateMemd(attach=False, no_tls=options.tls.plaintext))
+            with thread_affinity(placement.agent):  # it receives dash-agent's stream: off the ranks' cores too
+                private = stack.enter_context(PrivateMemd(attach=False, no_tls=options.tls.plaintext))
             options = dataclasses.replace(options, memd=private.address, token_file=private.token_file)
             log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd, private.root)
         else:
             log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
         prepare_job(options, list(config.argv))
-        agent = stack.enter_context(AgentProcess(options))
+        agent = stack.enter_context(AgentProcess(options, placement.agent))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
         os.environ[env.JOB_ID.name] = options.job_id
         watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PreemptionRecord.FILE))
         try:
-            elastic_launch(config.launch_config, config.entrypoint)(*config.entrypoint_args)
+            # torch's agent starts (and restarts) the ranks from this thread: they inherit its CPUs.
+            with thread_affinity(placement.ranks):
+                elastic_launch(config.launch_config, config.entrypoint)(*config.entrypoint_args)
         except ChildFailedError as e:
             if watcher.record() is None:
                 _report_child_failure(e)

@@ -23,6 +23,7 @@ from pathlib import Path
 from dashrun import env
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import UsageError
+from dashrun.launch.placement import AUTO, AgentCpus, parse_agent_cpus
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.version import __version__
@@ -67,6 +68,7 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("remote_python", ("--remote-python", "--remote_python")),
     OptionName("no_tls", ("--no-tls", "--no_tls"), "store_true"),
     OptionName("tls_ca", ("--tls-ca", "--tls_ca")),
+    OptionName("agent_cpus", ("--agent-cpus", "--agent_cpus")),
     # torchrun's
     OptionName("nnodes", ("--nnodes",)),
     OptionName("node_rank", ("--node-rank", "--node_rank")),
@@ -89,6 +91,7 @@ class LaunchOptions:
     metadata_endpoint: str | None = None
     poll_interval: float | None = None
     tls: TlsSettings = TlsSettings()
+    agent_cpus: AgentCpus = AUTO  # where dash-agent runs: auto, none or its CPUs (dashrun.launch.placement)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     NAMES["tls_ca"].add_to(group, default=env.get(env.TLS_CA), metavar="FILE",
                            help=f"also verify dash-memd's TLS certificate chain and host name against these PEM CA "
                                 f"certificates (env {env.TLS_CA.name}).")
+    NAMES["agent_cpus"].add_to(group, default=env.get(env.AGENT_CPUS, AUTO), metavar="auto|none|LIST",
+                               help=f"CPUs for this node's dash-agent, kept from the ranks, which run on the "
+                                    f"launcher's other CPUs (env {env.AGENT_CPUS.name}; default auto: one core of "
+                                    "those allowed, the highest-numbered, where there are more cores than ranks; "
+                                    "none: as the launcher runs; a LIST like 7 or 6-7).")
     return parser
 
 
@@ -190,16 +198,18 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """dashrun's options of a launch on this node, checked; the token file is read now, to fail in one line."""
     job_id = job_id_from_args(args)
     tls = TlsSettings.from_options(args.no_tls, args.tls_ca)
+    agent_cpus = parse_agent_cpus(args.agent_cpus)
     if args.memd is None:
         require_shared_memd(args, max_nodes(args), "nodes")
         return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
-                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval, tls=tls)
+                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval, tls=tls,
+                             agent_cpus=agent_cpus)
     require_token_file(args.memd, args.token_file)
     token_file = Path(args.token_file)
     read_token(token_file)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,
                          cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
-                         poll_interval=args.poll_interval, tls=tls)
+                         poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:

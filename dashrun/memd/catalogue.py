@@ -382,10 +382,14 @@ class Catalogue:
                     self.retention.trim_ram(job)
 
     def wait(self, job: str, step: int, timeout: float, *, on_disk: bool = False) -> bool:
-        """Block until step ``step`` of ``job`` is committed (and, with ``on_disk``, on disk); False on timeout."""
+        """Block until step ``step`` of ``job`` is committed (and, with ``on_disk``, on disk, or passed over by
+        the disk writer for a newer checkpoint of the job that is); False on timeout."""
         def reached() -> bool:
             entry = self.ledger.committed.get(job, {}).get(step)
-            return entry is not None and (not on_disk or entry.state != State.COMMITTED)
+            if entry is not None and (not on_disk or entry.state != State.COMMITTED):
+                return True
+            newest_on_disk = self.retention.newest_safe_step(job) if on_disk else None
+            return newest_on_disk is not None and newest_on_disk > step
 
         with self._cond:
             return self._cond.wait_for(reached, timeout)

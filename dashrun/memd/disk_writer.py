@@ -3,7 +3,11 @@
 A checkpoint is written from its RAM buffers, pinned meanwhile. Once on disk
 it advances to ON_DISK, the job's older disk and RAM copies are trimmed, and
 (with an object tier) it is queued for upload. A checkpoint replaced or
-superseded before its turn is skipped. A failed write leaves the checkpoint
+superseded before its turn is skipped. While receives wait for RAM (the
+disk is slower than the checkpoints come), so is one whose job committed a
+newer checkpoint meanwhile: the writer then writes each job's newest, whose
+write lets the RAM of every older one go, instead of falling further behind
+on the older ones while the nodes wait. A failed write leaves the checkpoint
 in RAM and the previous one on disk valid; the failure is logged once and
 shown on the job until a write of that job works again.
 
@@ -73,6 +77,8 @@ class DiskWriter:
         with ledger.cond:
             if entry.dropped or "ram" not in entry.tiers or self.retention.safe_without_ram(entry):
                 return True  # deleted, replaced, or superseded by a newer checkpoint already on disk
+            if ledger.room_waiters and self._newer_waiting(entry):
+                return True  # the newer one's write makes this one safe too: one write frees both from RAM
             entry.readers += 1
             views = [memoryview(entry.buffers[r])[:entry.shards[r].nbytes] for r in range(entry.world)]
         locked = False
@@ -129,6 +135,12 @@ class DiskWriter:
         # The job's next checkpoint will have shards of about these sizes: have its buffers touched by then.
         self.ledger.ram.prewarm(next_shards)
         return True
+
+    def _newer_waiting(self, entry: Entry) -> bool:
+        """Whether a newer committed checkpoint of the job waits for the disk behind ``entry`` (the disk is behind
+        the job's checkpoints)."""
+        return any(step > entry.step and other.state == State.COMMITTED and not other.dropped
+                   for step, other in self.ledger.committed.get(entry.job, {}).items())
 
     def delete_steps(self, job: str, below: int | None = None) -> None:
         """With :attr:`lock` held: remove every step directory of ``job`` (below step ``below`` if given),

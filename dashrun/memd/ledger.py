@@ -3,11 +3,13 @@
 The catalogue, its retention, its disk writer and its uploader all read and
 change these records, always holding :attr:`Ledger.cond`; bytes move outside
 it. A checkpoint being read is pinned (``Entry.readers``) and its RAM is never
-released under the reader.
+released under the reader. Receives that found the RAM full wait for room in
+the order they came (:attr:`Ledger.room_waiters`).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 
 from dashrun.memd.entry import Entry
@@ -30,6 +32,9 @@ class Ledger:
         self.receiving: dict[tuple[str, int], Entry] = {}
         self.committed: dict[str, dict[int, Entry]] = {}
         self.specs: dict[str, JobSpec] = {}
+        #: Receives waiting for RAM to come free, oldest first: only the oldest may take what comes free, so
+        #: that no node's shards wait while others' keep getting through (see Retention.reserve).
+        self.room_waiters: collections.deque[object] = collections.deque()
 
     def drop_receiving(self, entry: Entry) -> None:
         """Abandon a checkpoint still being received and free what of it arrived."""

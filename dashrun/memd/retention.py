@@ -4,7 +4,12 @@ Each tier keeps the newest ``keep_*`` committed checkpoints of a job. A RAM
 copy goes only once nothing is lost with it: the checkpoint is on disk, or a
 newer checkpoint of its job is. A checkpoint no tier holds any more leaves the
 catalogue. When a receive needs room, the oldest RAM copy that may go is
-evicted, after any checkpoint whose receive was abandoned.
+evicted, after any checkpoint whose receive was abandoned. When none may go
+yet (the RAM holds checkpoints the disk has not caught up with), the receive
+waits for room, up to :data:`ROOM_WAIT`, behind the receives that waited
+before it: ingest slows to the disk's pace instead of refusing shards, which
+would leave their checkpoints incomplete, the nodes whose shards came at the
+wrong moment behind the others.
 
 Everything here is bookkeeping done with the ledger's lock held; what a trim
 takes out of the disk or the object tier is returned, for the disk writer or
@@ -22,13 +27,18 @@ from dashrun.memd.entry import Entry
 from dashrun.memd.ledger import Ledger
 from dashrun.util.units import format_size
 
-__all__ = ["RECEIVING_TIMEOUT", "Retention"]
+__all__ = ["RECEIVING_TIMEOUT", "ROOM_WAIT", "Retention"]
 
 log = logging.getLogger(__name__)
 
 #: A RECEIVING checkpoint that has not progressed for this long is abandoned
 #: (a rank died before sending); its buffers are freed.
 RECEIVING_TIMEOUT = 600.0
+#: Longest a receive waits for RAM to come free before it is refused; well under a client's timeout
+#: (dash-agent's --memd-timeout), so a refusal reaches the client as one, not as a dropped connection.
+ROOM_WAIT = 5.0
+#: A waiting receive looks again this often even if nothing told it that RAM came free.
+ROOM_POLL = 0.1
 
 
 class Retention:
@@ -39,6 +49,8 @@ class Retention:
         self.keep_ram = keep_ram
         self.keep_disk = keep_disk
         self.keep_object = keep_object
+        #: seconds a receive may wait for RAM to come free (:meth:`reserve`)
+        self.room_wait = ROOM_WAIT
 
     def newest_safe_step(self, job: str) -> int | None:
         safe = [s for s, e in self.ledger.committed.get(job, {}).items() if "disk" in e.tiers]
@@ -82,15 +94,35 @@ class Retention:
         return True
 
     def reserve(self, nbytes: int, for_entry: Entry) -> mmap.mmap:
-        """A RAM buffer of ``nbytes`` for ``for_entry``, evicting what may go. Raises NoSpaceError."""
-        ram = self.ledger.ram
-        while (buffer := ram.reserve(nbytes)) is None:
-            if not self.evict_one(spare=for_entry):
-                raise NoSpaceError(
-                    f"dash-memd's RAM is full ({format_size(ram.used)} of {format_size(ram.limit)} hold "
-                    "checkpoints not yet safe on disk); this checkpoint is refused, the previous one stays valid",
-                    hint="raise --memory-limit or lower --keep-ram")
-        return buffer
+        """A RAM buffer of ``nbytes`` for ``for_entry``, evicting what may go, else waiting (``ledger.cond``
+        released meanwhile) up to :attr:`room_wait` for room, after the receives that waited before.
+        Raises NoSpaceError."""
+        ledger, ram = self.ledger, self.ledger.ram
+        waiters = ledger.room_waiters
+        me = object()
+        deadline = time.monotonic() + self.room_wait
+        try:
+            while True:
+                if not waiters or waiters[0] is me:  # nobody who waited longer is owed this room
+                    buffer = ram.reserve(nbytes)
+                    if buffer is not None:
+                        return buffer
+                    if self.evict_one(spare=for_entry):
+                        continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoSpaceError(
+                        f"dash-memd's RAM is full ({format_size(ram.used)} of {format_size(ram.limit)} hold "
+                        f"checkpoints not yet safe on disk) and stayed full for {self.room_wait:g}s; this checkpoint "
+                        "is refused, the previous one stays valid",
+                        hint="raise --memory-limit, lower --keep-ram, or give dash-memd a faster disk")
+                if me not in waiters:
+                    waiters.append(me)
+                ledger.cond.wait(min(left, ROOM_POLL))
+        finally:
+            if me in waiters:
+                waiters.remove(me)
+                ledger.cond.notify_all()  # the next in line may go
 
     def trim_disk(self, job: str) -> list[Entry]:
         """Take the disk copies of ``job`` beyond the newest ``keep_disk`` out of the catalogue; the caller

@@ -303,9 +303,20 @@ class MemdServer:
 
     def _get_shard(self, ch: Channel, frame: Frame) -> None:
         body = frame.body
+        offset = field_int(body, "offset", default=0)
+        length = body.get("length")
         with self.catalogue.open_shard(field_job(body), field_step(body), field_int(body, "rank", 0, 1 << 16)) \
                 as (view, crc):
-            ch.send(Kind.OK, {"nbytes": len(view), "crc": crc}, data=[view], crc=crc)
+            if offset == 0 and length is None:
+                ch.send(Kind.OK, {"nbytes": len(view), "crc": crc}, data=[view], crc=crc)
+                return
+            # A byte range: the shard's bytes were verified whole when they were stored or read from disk or
+            # the bucket; the range's own checksum, computed as it goes out, guards the transfer.
+            if offset > len(view):
+                raise ProtocolError(f"offset {offset} is past the shard's {len(view)} bytes")
+            length = field_int(body, "length", 0, len(view) - offset, default=len(view) - offset)
+            ch.send(Kind.OK, {"nbytes": len(view), "crc": crc, "offset": offset},
+                    data=[view[offset:offset + length]])
 
     def _wait(self, ch: Channel, frame: Frame) -> None:
         body = frame.body

@@ -101,6 +101,7 @@ class Checkpointer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
         self.job_id = job_id or env.get(env.JOB_ID)
         self.stats = SaveStats()
         self.preempted = False
@@ -243,7 +244,7 @@ class Checkpointer:
             return 0
         info = restore_state(self._link, job_id=self.job_id, rank=self.rank, world=self.world,
                              local_world=self.local_world, objects=self.objects, per_rank=self.per_rank,
-                             on_wait=lambda message: self._problem("restore", message))
+                             on_wait=lambda message: self._problem("restore", message), local_rank=self.local_rank)
         if info is None:
             return 0
         self._last_step = info.step

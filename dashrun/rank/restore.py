@@ -87,18 +87,6 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _map_tensors(tree: Any, fn) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_map_tensors(v, fn) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_map_tensors(v, fn) for v in tree)
-    return tree
-
-
 def fetch(link: AgentLink, request: RestoreRequest,
           on_wait: Callable[[str], None]) -> tuple[RestoreReply, Frame]:
     """Ask the agent for the image, trying again for RESTORE_TIMEOUT while it or dash-memd is unreachable.
@@ -135,9 +123,14 @@ def agree(step: int) -> int:
 
 def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_world: int,
                   objects: Mapping[str, Any], per_rank: Collection[str],
-                  on_wait: Callable[[str], None]) -> CheckpointInfo | None:
-    """Load the newest checkpoint of ``job_id`` every rank has into ``objects``; None if there is none."""
-    reply, frame = fetch(link, RestoreRequest(job_id, None, local_world), on_wait)
+                  on_wait: Callable[[str], None], local_rank: int | None = None) -> CheckpointInfo | None:
+    """Load the newest checkpoint of ``job_id`` every rank has into ``objects``; None if there is none.
+
+    The node's ranks are taken to be numbered in a row (torchrun's LOCAL_RANK); unknown (None), the node's
+    image holds every saved rank's private state.
+    """
+    first_rank = rank - local_rank if local_rank is not None and 0 <= local_rank <= rank else None
+    reply, frame = fetch(link, RestoreRequest(job_id, None, local_world, first_rank), on_wait)
     found_step = reply.checkpoint.step if reply.found else -1
     agreed = agree(found_step)
     if agreed != found_step:
@@ -145,7 +138,7 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
         if agreed < 0:  # another rank found none
             reply = RestoreReply(found=False)
         else:
-            reply, frame = fetch(link, RestoreRequest(job_id, agreed, local_world), on_wait)
+            reply, frame = fetch(link, RestoreRequest(job_id, agreed, local_world, first_rank), on_wait)
     if not reply.found:
         log.info("dashrun: no checkpoint of job %s yet: starting from step 0", job_id)
         return None
@@ -158,31 +151,95 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
 
 def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
          job_id: str, rank: int, world: int) -> None:
-    """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states."""
+    """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states.
+
+    Module parameters and buffers are copied into the module's own (already allocated) tensors. Other
+    state (an optimizer's, a scheduler's) is not copied on the host: its tensors map the image
+    copy-on-write, as ``torch.load(mmap=True)`` maps a file, and a page is copied only when training first
+    writes it. On a GPU, the image is pinned while it is copied to the device on a side stream.
+    """
     info, tails = reply.checkpoint, reply.tails
     size = os.fstat(fd).st_size
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
+    _populate(mapped, info.rep_total)
     region = torch.frombuffer(mapped, dtype=torch.uint8)
     replicated = decode_replicated(region, mapped, info, tails, copy=False, rank=rank)
     private = decode_private(region, mapped, info, tails, rank) if rank < info.world else None
     report_world_change(info, rank, world, per_rank)
 
     for name, obj in objects.items():
-        if name in per_rank:
-            if private is not None and name in private:
-                obj.load_state_dict(private[name])
-        elif name not in replicated:
+        if name not in per_rank and name not in replicated:
             raise UsageError(f"checkpoint of step {info.step} has no state for {name}=",
                              hint="pass the same keyword objects to Checkpointer as the run that saved it")
-        elif isinstance(obj, torch.nn.Module):
-            obj.load_state_dict(replicated[name])  # copies into the parameters
-        else:
-            obj.load_state_dict(_map_tensors(replicated[name], torch.Tensor.clone))
+    with _pinned_copies(region, _device_of(objects)):
+        for name, obj in objects.items():
+            if name in per_rank:
+                if private is not None and name in private:
+                    obj.load_state_dict(private[name])
+            else:  # a module copies into its parameters; an optimizer moves its state to theirs
+                obj.load_state_dict(replicated[name])
     if private is not None:
         restore_rng(private.get("$rng", {}))
     del replicated, region
     log.info("dashrun: restored job %s step %d (%d bytes, saved by %d ranks)", job_id, info.step,
              info.nbytes, info.world)
+
+
+def _populate(mapped: mmap.mmap, nbytes: int) -> None:
+    """Map the image's first ``nbytes`` in one call rather than one page fault per page as they are read."""
+    try:
+        mapped.madvise(MADV_POPULATE_READ, 0, nbytes - nbytes % mmap.PAGESIZE)
+    except (OSError, ValueError):  # before Linux 5.14: the pages fault in as they are read
+        pass
+
+
+#: ``madvise`` advice that maps pages for reading (Linux 5.14); Python names it from 3.13 on.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def _device_of(objects: Mapping[str, Any]) -> torch.device | None:
+    """The CUDA device of the first module with parameters there, if any."""
+    for obj in objects.values():
+        if isinstance(obj, torch.nn.Module):
+            for param in obj.parameters():
+                if param.is_cuda:
+                    return param.device
+    return None
+
+
+#: ``cudaHostRegisterReadOnly`` (CUDA 11.1 and later).
+CUDA_HOST_REGISTER_READ_ONLY = 0x08
+
+
+class _pinned_copies:
+    """On a GPU: the image pinned (registered with CUDA) while the state is copied from it, so that the copies
+    go by DMA, and queued on a side stream; the block ends once they are done. Elsewhere nothing."""
+
+    def __init__(self, region: torch.Tensor, device: torch.device | None):
+        self.region, self.device = region, device
+        self.pinned = False
+        self.stream = self._context = None
+
+    def __enter__(self) -> None:
+        if self.device is None:
+            return
+        try:  # read-only: pinning the copy-on-write mapping for writing would copy every page of it
+            self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.region.data_ptr(), self.region.numel(),
+                                                                  CUDA_HOST_REGISTER_READ_ONLY)) == 0
+        except (RuntimeError, AttributeError):  # copies then go through CUDA's own staging buffers
+            self.pinned = False
+        self.stream = torch.cuda.Stream(self.device)
+        self._context = torch.cuda.stream(self.stream)
+        self._context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is None:
+            return
+        self._context.__exit__(*exc)
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.region.data_ptr())
 
 
 def report_world_change(info: CheckpointInfo, rank: int, world: int, per_rank: Collection[str]) -> None:

@@ -121,19 +121,27 @@ class Progress:
 @dataclasses.dataclass(frozen=True)
 class RestoreRequest:
     """Fetch the newest committed checkpoint of ``job`` (or ``step``) into shared memory for the node's
-    ``local_ranks`` ranks: the node downloads it once however many ranks map it."""
+    ``local_ranks`` ranks: the node downloads it once however many ranks map it. The node's ranks are
+    ``first_rank`` and the ``local_ranks - 1`` after it (None: unknown, every saved rank's part is fetched)."""
 
     job: str
     step: int | None = None
     local_ranks: int = 1
+    first_rank: int | None = None
+
+    @property
+    def ranks(self) -> range | None:
+        return None if self.first_rank is None else range(self.first_rank, self.first_rank + self.local_ranks)
 
     def to_body(self) -> dict[str, Any]:
-        return {"job": self.job, "step": self.step, "local_ranks": self.local_ranks}
+        return {"job": self.job, "step": self.step, "local_ranks": self.local_ranks, "first_rank": self.first_rank}
 
     @classmethod
     def from_body(cls, body: dict) -> RestoreRequest:
+        first = body.get("first_rank")
         return cls(job=field_job(body), step=field_step(body) if body.get("step") is not None else None,
-                   local_ranks=field_int(body, "local_ranks", 1, MAX_WORLD, default=1))
+                   local_ranks=field_int(body, "local_ranks", 1, MAX_WORLD, default=1),
+                   first_rank=None if first is None else field_int(body, "first_rank", 0, MAX_WORLD))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ retrying is the caller's decision.
 
 from __future__ import annotations
 
+import select
 import threading
 from typing import Any, Callable, Sequence
 
@@ -45,6 +46,17 @@ class MemdClient:
         if self._ch is not None:
             self._ch.close()
             self._ch = None
+
+    def idle_and_open(self) -> bool:
+        """Whether the connection is up with nothing to read: an idle connection that dash-memd closed (it
+        restarted, or timed the connection out) reads as ready, with its end of stream."""
+        if self._ch is None:
+            return False
+        try:
+            readable, _, _ = select.select([self._ch.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
     def _channel(self) -> Channel:
         if self._ch is None:
@@ -97,12 +109,22 @@ class MemdClient:
             raise ProtocolError("malformed LATEST reply")
         return CheckpointInfo.from_body(raw)
 
-    def get_shard_into(self, job: str, step: int, rank: int, views: Sequence[memoryview]) -> int:
-        """Receive one committed shard into ``views`` (in order); returns its verified CRC-32C."""
+    def get_shard_into(self, job: str, step: int, rank: int, views: Sequence[memoryview], *,
+                       offset: int | None = None) -> int:
+        """Receive one committed shard into ``views`` (in order); returns its verified CRC-32C.
+
+        With ``offset``, only the bytes from there that fill ``views`` (a byte range); the CRC returned
+        is then the range's.
+        """
+        length = sum(len(v) for v in views)
+        request = {"job": job, "step": step, "rank": rank}
+        if offset is not None:
+            request.update(offset=offset, length=length)
+
         def run(ch: Channel):
-            ch.send(Kind.GET_SHARD, {"job": job, "step": step, "rank": rank})
+            ch.send(Kind.GET_SHARD, request)
             reply = ch.expect_reply(max_data=MAX_BYTES)
-            if reply.data_len != sum(len(v) for v in views):
+            if reply.data_len != length:
                 ch.close()
                 raise ProtocolError(f"shard {rank} of {job} step {step} has an unexpected size")
             return ch.recv_data_into(reply, views)

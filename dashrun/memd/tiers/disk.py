@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 #: Directory under the data dir where copies that fail their checksum are moved.
 QUARANTINE = "quarantine"
 _CHUNK = 8 << 20
+#: Seconds a shard file found right is not read whole again while it is unchanged (same inode, size, mtime).
+RECHECK_AFTER = 30.0
 #: renameat2(2) flag: swap two paths atomically (Linux 3.15; not every file system has it).
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -113,6 +116,8 @@ class DiskTier(Tier):
         self.quarantine_dir = self.root / QUARANTINE
         #: job -> copies of it in quarantine (they stay until an operator removes them)
         self.quarantined: dict[str, int] = {}
+        #: (job, step, rank) -> (the file's identity, when its bytes were last found right)
+        self._checked: dict[tuple[str, int, int], tuple[tuple[int, int, int, int], float]] = {}
         if self.quarantine_dir.is_dir():
             for job_dir in self.quarantine_dir.iterdir():
                 if job_dir.is_dir() and valid_job_id(job_dir.name):
@@ -210,8 +215,12 @@ class DiskTier(Tier):
         """One shard's bytes, mapped. With its ``shard`` header, the bytes are checked first (see :meth:`check`)."""
         fd = self._open_shard(job, step, rank)
         try:
-            if shard is not None:
+            if shard is not None and not self._recently_checked(fd, shard):
                 self._check_fd(fd, shard)  # read through the page cache: the mapping then finds the pages there
+                now = time.monotonic()
+                if len(self._checked) > 1024:  # forget what a new check would be due for anyway
+                    self._checked = {k: v for k, v in self._checked.items() if now - v[1] < RECHECK_AFTER}
+                self._checked[(job, step, rank)] = (self._identity(fd), now)
             size = os.fstat(fd).st_size
             if size == 0:
                 yield memoryview(b"")
@@ -225,6 +234,18 @@ class DiskTier(Tier):
                 unmap(mapped)
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _identity(fd: int) -> tuple[int, int, int, int]:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _recently_checked(self, fd: int, shard: ShardHeader) -> bool:
+        """Whether this very file was checked whole less than RECHECK_AFTER seconds ago: a restore reads one
+        shard in several byte ranges, and one check covers them all."""
+        checked = self._checked.get((shard.job, shard.step, shard.rank))
+        return (checked is not None and checked[0] == self._identity(fd)
+                and time.monotonic() - checked[1] < RECHECK_AFTER)
 
     def quarantine(self, job: str, step: int) -> Path | None:
         """Move a step's directory under ``quarantine/`` (not fsynced: if the move is lost in a crash, the copy

@@ -1,0 +1,176 @@
+"""One source planner: which holder serves each byte range of a committed checkpoint.
+
+A restore names the byte ranges it needs (:class:`Extent`: a piece of one
+saved rank's shard, and where it goes in the node's image; :func:`wanted`
+says which a node needs). The planner tries its sources in order of speed —
+this node's own copy first, then dash-memd, which serves from its RAM, its
+disk or the bucket, whichever holds the checkpoint — and reads each range from
+the first source that holds it. Other holders (a peer's RAM) join the list of
+sources; nothing else changes.
+
+dash-memd's ranges are read over several connections at once, in pieces of
+at most :data:`PIECE` bytes, so that receiving and decrypting one large shard
+runs on more than one core on both ends. Every piece's checksum is verified
+as it arrives; dash-memd verified the shard whole when it stored it or read
+it back from its disk or the bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import threading
+from typing import Callable, Collection, ContextManager, Iterable, Protocol, Sequence
+
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import CheckpointInfo
+
+__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "wanted"]
+
+#: Largest byte range read in one request from dash-memd: small enough to spread one shard over every
+#: stream, large enough that a request's round trip is lost in its transfer.
+PIECE = 32 << 20
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Extent:
+    """Bytes ``[start, stop)`` of saved rank ``rank``'s shard, which go to offset ``at`` of the image."""
+
+    rank: int
+    start: int
+    stop: int
+    at: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+    def split(self, most: int) -> list[Extent]:
+        return [Extent(self.rank, s, min(s + most, self.stop), self.at + s - self.start)
+                for s in range(self.start, self.stop, most)] or [self]
+
+
+def wanted(info: CheckpointInfo, tails: Sequence[int], ranks: Collection[int] | None) -> list[Extent]:
+    """What a node restoring ``info`` needs: every shard's slice of the replicated state, and the tails
+    (private state and layout description) of saved rank 0, which describes the replicated state, and of
+    ``ranks``, the node's ranks (None: every saved rank's)."""
+    extents = []
+    for shard, tail in zip(info.shards, tails):
+        rep = shard.rep_end - shard.rep_start
+        if rep:
+            extents.append(Extent(shard.rank, 0, rep, shard.rep_start))
+        if shard.rank == 0 or ranks is None or shard.rank in ranks:
+            extents.append(Extent(shard.rank, rep, shard.nbytes, tail))
+    return extents
+
+
+class Source(Protocol):
+    """A holder of checkpoint bytes."""
+
+    name: str
+
+    def holds(self, info: CheckpointInfo, extent: Extent) -> bool: ...
+
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview) -> None: ...
+
+
+class NodeCopy:
+    """This node: the ranges already in the image (fetched by an earlier restore, or ahead of the ranks)."""
+
+    name = "this node"
+
+    def __init__(self, held: Iterable[Extent] = ()):
+        self.held = set(held)
+
+    def holds(self, info: CheckpointInfo, extent: Extent) -> bool:
+        return extent in self.held
+
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview) -> None:
+        pass  # already in place
+
+
+class MemdSource:
+    """dash-memd, over up to ``streams`` connections at once (each made by ``connect``, closed after).
+
+    Its threads stay on dash-agent's CPUs until ``waited_on()`` says a rank waits for the bytes; from then on
+    they may run on every CPU (see :func:`every_cpu`).
+    """
+
+    name = "dash-memd"
+
+    def __init__(self, connect: Callable[[], ContextManager[MemdClient]], streams: int = 2,
+                 waited_on: Callable[[], bool] = lambda: True):
+        self.connect = connect
+        self.streams = max(1, streams)
+        self.waited_on = waited_on
+
+    def holds(self, info: CheckpointInfo, extent: Extent) -> bool:
+        return True  # the checkpoint is committed: dash-memd has every byte of it in one of its tiers
+
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview) -> None:
+        pieces: queue.SimpleQueue[Extent] = queue.SimpleQueue()
+        count = 0
+        for extent in extents:
+            for piece in extent.split(PIECE):
+                pieces.put(piece)
+                count += 1
+        failures: list[BaseException] = []
+
+        def stream() -> None:
+            widened = False
+            try:
+                with self.connect() as client:
+                    while not failures:
+                        if not widened and self.waited_on():
+                            widened = every_cpu()
+                        try:
+                            piece = pieces.get_nowait()
+                        except queue.Empty:
+                            return
+                        client.get_shard_into(info.job, info.step, piece.rank,
+                                              [image[piece.at:piece.at + piece.nbytes]], offset=piece.start)
+            except BaseException as e:  # the first failure stops every stream, and is raised
+                failures.append(e)
+
+        threads = [threading.Thread(target=stream, name=f"restore-stream-{i}", daemon=True)
+                   for i in range(min(self.streams, count))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+
+
+def every_cpu() -> bool:
+    """Let the calling thread run on every CPU of the node (True once it may).
+
+    dash-agent is kept off the ranks' cores so that shipping checkpoints takes no CPU from training; a
+    restore the ranks are waiting for may use their cores too. (One fetched ahead, while the ranks are
+    still starting, may not: it would slow their start.)
+    """
+    with contextlib.suppress(AttributeError, OSError):  # no CPU affinity here, or a cpuset narrower than that
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # pid 0: this thread only
+    return True
+
+
+class Planner:
+    """Reads the ranges a restore needs, each from the fastest of ``sources`` (in that order) that holds it."""
+
+    def __init__(self, sources: Sequence[Source]):
+        self.sources = list(sources)
+
+    def read(self, info: CheckpointInfo, extents: Iterable[Extent], image: memoryview) -> dict[str, int]:
+        """Fill ``image`` with ``extents``; returns the bytes each source served, by name."""
+        plan: dict[int, list[Extent]] = {}
+        for extent in extents:
+            index = next(i for i, source in enumerate(self.sources) if source.holds(info, extent))
+            plan.setdefault(index, []).append(extent)
+        served = {}
+        for index, chosen in sorted(plan.items()):
+            source = self.sources[index]
+            source.read(info, chosen, image)
+            served[source.name] = served.get(source.name, 0) + sum(e.nbytes for e in chosen)
+        return served

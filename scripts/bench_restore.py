@@ -1,0 +1,337 @@
+#!/usr/bin/env python3
+"""Restore benchmark: dashrun's restore() against torch.load and DCP load, side by side, in one run.
+
+For each state size (an MLP's fp32 parameters + AdamW state, as in
+``bench_checkpoint.py``), one process holds the model and restores the same
+checkpoint again and again, each way in turn (interleaved rounds, best and
+median per way):
+
+* **loopback limit** — the same bytes over loopback TCP into a reused buffer,
+  receiver on the other core: the network's speed on this machine;
+* **torch.load** — ``torch.load`` of a file in the page cache (warm) +
+  ``load_state_dict`` of the model and the optimizer; and with ``mmap=True``;
+* **DCP load** — ``torch.distributed.checkpoint.load`` of a ``dcp.save`` directory
+  (warm) into the model's and optimizer's state dicts + ``set_state_dict``;
+* **dashrun, dash-memd RAM** — ``Checkpointer.restore()`` through a real
+  dash-agent from a real dash-memd that holds the checkpoint in RAM (TLS, and
+  ``--no-tls``): the agent fetches it, the rank loads it;
+* **dashrun, this node** — the same, when the node already holds the image
+  (another local rank fetched it, or the agent fetched it ahead as it started);
+* **dashrun, dash-memd disk** — dash-memd restarted before the round, so that it
+  reads the checkpoint from its disk.
+
+Then the relaunch: from the command until ``restore()`` returned, for a script
+that builds the model and restores it, launched by ``dashrun`` against a
+running dash-memd, and by ``torchrun`` with ``torch.load`` + ``load_state_dict``
+of a warm file (``--relaunch-rounds``, at the first size).
+
+Placement, as dashrun places a two-core node: the restoring process on the
+first core; dash-memd and dash-agent on the second.
+
+Usage::
+
+    python3 scripts/bench_restore.py [--sizes-mib 256,1024,2048] [--rounds 3] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
+
+import bench_checkpoint as bench  # noqa: E402
+
+from dashrun.util import daemon  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+
+RELAUNCHED = """
+import os, sys, time
+started = float(os.environ["BENCH_STARTED"])
+sys.path.insert(0, {scripts!r})
+import torch
+torch.set_num_threads(1)
+imported = time.time() - started
+from bench_checkpoint import build_model
+model, optimizer, _batch, _ = build_model({size})
+built = time.time() - started
+if sys.argv[1] == "torch.load":
+    state = torch.load({path!r})
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    step = state["step"] + 1
+else:
+    import dashrun
+    step = dashrun.Checkpointer(model=model, optimizer=optimizer, interval=10**9).restore()
+print("RESTORED", step, time.time() - started, imported, built, flush=True)
+"""
+
+
+class Stack:
+    """A dash-memd and a dash-agent for one way of restoring (TLS or not), restartable."""
+
+    def __init__(self, workdir: Path, procs: bench.Processes, core: int, *, plaintext: bool, memory: int):
+        from dashrun.util.tokens import write_token
+        from dashrun.wire.tls import TlsSettings
+
+        self.dir, self.procs, self.core = workdir, procs, core
+        self.tls = TlsSettings(plaintext=plaintext)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.token_file = workdir / "token"
+        self.token = write_token(self.token_file)
+        self.memory = memory
+        self.listen = "127.0.0.1:0"
+        self.memd = self.agent = None
+        self.job = "restore-plain" if plaintext else "restore"
+
+    def start_memd(self) -> None:
+        ready = self.dir / "memd.ready"
+        ready.unlink(missing_ok=True)
+        self.memd = self.procs.start_daemon("dash-memd", bench.pinned(
+            [sys.executable, "-m", "dashrun.memd", "start", "--listen", self.listen, "--data-dir",
+             str(self.dir / "memd-data"), "--memory-limit", str(self.memory), "--token-file", str(self.token_file),
+             "--ready-file", str(ready), *self.tls.args()], self.core), ready=daemon.file_written(ready),
+            log=self.dir / "memd.log", cwd=REPO, env=bench.child_env())
+        self.listen = ready.read_text().strip()  # the same port when restarted
+
+    def restart_memd(self) -> None:
+        self.procs.stop(self.memd, timeout=60)
+        self.start_memd()
+
+    def start_agent(self) -> None:
+        sock = self.dir / "agent.sock"
+        env = {**bench.child_env(), "DASH_NO_PREFETCH": "1"}
+        env.pop("DASH_JOB_ID", None)
+        self.agent = self.procs.start_daemon("dash-agent", bench.pinned(
+            [sys.executable, "-m", "dashrun.agent", "--memd", self.listen, "--token-file", str(self.token_file),
+             "--socket", str(sock), *self.tls.args()], self.core), ready=daemon.accepting(sock),
+            log=self.dir / "agent.log", cwd=REPO, env=env)
+        self.socket = sock
+
+    def client(self):
+        from dashrun.wire.memd_client import MemdClient
+
+        host, port = self.listen.rsplit(":", 1)
+        return MemdClient(host, int(port), self.token, timeout=300, tls=self.tls)
+
+    @contextlib.contextmanager
+    def rank(self, local_world: int = 1):
+        """This process as the rank of a node of ``local_world`` ranks, talking to this stack's agent."""
+        saved = {k: os.environ.get(k) for k in ("DASH_AGENT_SOCKET", "DASH_JOB_ID", "LOCAL_WORLD_SIZE")}
+        os.environ.update(DASH_AGENT_SOCKET=str(self.socket), DASH_JOB_ID=self.job,
+                          LOCAL_WORLD_SIZE=str(local_world))
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def summary(times: list[float], nbytes: int) -> dict:
+    return {"times_s": times, "best_s": min(times), "median_s": statistics.median(times),
+            "bandwidth": nbytes / min(times)}
+
+
+def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, cores: tuple[int, int],
+                 plain: bool) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import dashrun
+
+    train_core, side_core = cores
+    model, optimizer, batch, described = bench.build_model(size)
+    bench.Trainer(model, optimizer, batch).step()  # the optimizer has its state, as at a checkpoint
+    step = 41
+
+    stacks = [Stack(workdir / "tls", procs, side_core, plaintext=False, memory=size * 3)]
+    if plain:
+        stacks.append(Stack(workdir / "plain", procs, side_core, plaintext=True, memory=size * 3))
+    for stack in stacks:
+        stack.start_memd()
+        stack.start_agent()
+        with stack.rank():
+            ckpt = dashrun.Checkpointer(model=model, optimizer=optimizer, interval=10**9)
+            ckpt.save(step, force=True)
+            if not ckpt.wait(timeout=600):
+                raise RuntimeError("the checkpoint was not committed")
+            ckpt.close()
+        with stack.client() as client:
+            if not client.wait(stack.job, step, 600, on_disk=True):
+                raise RuntimeError("the checkpoint did not reach dash-memd's disk")
+            nbytes = client.latest(stack.job).nbytes
+
+    path = workdir / "state.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
+    dcp_dir = workdir / "dcp"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(dcp_dir))
+    del model_sd, optim_sd
+
+    def torch_load(mmap: bool):
+        state = torch.load(path, mmap=mmap)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def dcp_load():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(dcp_dir))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def restore(stack: Stack, local_world: int = 1):
+        with stack.rank(local_world):
+            ckpt = dashrun.Checkpointer(model=model, optimizer=optimizer, interval=10**9)
+            try:
+                if ckpt.restore() != step + 1:
+                    raise RuntimeError("restore() did not find the checkpoint")
+            finally:
+                ckpt.close()
+
+    times: dict[str, list[float]] = {}
+    ways = {"torch.load": lambda: torch_load(False), "torch.load(mmap=True)": lambda: torch_load(True),
+            "DCP load": dcp_load}
+    for _ in range(rounds + 1):  # the first round warms up (page cache, buffers)
+        for name, fn in ways.items():
+            times.setdefault(name, []).append(timed(fn))
+        for stack in stacks:
+            label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
+            # A node of two ranks: the first restore fetches the image from dash-memd's RAM, the second is
+            # served the image this node holds.
+            times.setdefault(f"{label}, dash-memd RAM", []).append(timed(lambda: restore(stack, 2)))
+            times.setdefault(f"{label}, this node", []).append(timed(lambda: restore(stack, 2)))
+    for stack in stacks:  # from disk: dash-memd restarted before each round holds nothing in RAM
+        label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
+        for _ in range(rounds):
+            stack.restart_memd()
+            times.setdefault(f"{label}, dash-memd disk", []).append(timed(lambda: restore(stack)))
+    times = {name: t[1:] if len(t) > rounds else t for name, t in times.items()}
+    loopback = bench.measure_loopback(nbytes, side_core, procs)
+    return {"state_bytes": described["state_bytes"], "checkpoint_bytes": nbytes, "model": described,
+            "loopback": loopback, "ways": {name: summary(t, nbytes) for name, t in times.items()},
+            "relaunch": None, "_stacks": stacks, "_path": str(path)}
+
+
+def measure_relaunch(result: dict, size: int, rounds: int, workdir: Path, train_core: int) -> dict:
+    """From the command to restore() returning: dashrun against torchrun + torch.load, interleaved."""
+    stack: Stack = result["_stacks"][0]
+    script = workdir / "relaunched.py"
+    script.write_text(RELAUNCHED.format(scripts=str(HERE), size=size, path=result["_path"]))
+    host_port = stack.listen
+    commands = {
+        "torchrun + torch.load": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                                  str(script), "torch.load"],
+        "dashrun + restore()": [sys.executable, "-m", "dashrun", "--memd", host_port, "--token-file",
+                                str(stack.token_file), "--job-id", stack.job, "--nproc-per-node", "1",
+                                *stack.tls.args(), str(script), "dashrun"],
+    }
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    phases: dict[str, list[dict]] = {}
+    for _ in range(rounds):
+        for name, cmd in commands.items():
+            env = {**bench.child_env(), "BENCH_STARTED": repr(time.time())}
+            for key in ("DASH_AGENT_SOCKET", "DASH_JOB_ID", "LOCAL_WORLD_SIZE", "DASH_NO_PREFETCH"):
+                env.pop(key, None)
+            out = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True,
+                                 text=True, timeout=900)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESTORED")]
+            if out.returncode != 0 or not lines:
+                raise RuntimeError(f"{name} failed (exit {out.returncode}): {out.stderr[-2000:]}")
+            _, _, total, imported, built = lines[-1].split()
+            times[name].append(float(total))
+            phases.setdefault(name, []).append({"torch_imported_s": float(imported), "model_built_s": float(built),
+                                                "restored_s": float(total)})
+    return {name: {"times_s": t, "best_s": min(t), "median_s": statistics.median(t), "phases": phases[name]}
+            for name, t in times.items()}
+
+
+def report(results: list[dict], machine: dict) -> None:
+    print(f"\nmachine: {bench.describe_machine(machine)}")
+    for r in results:
+        nbytes = r["checkpoint_bytes"]
+        limit = r["loopback"]["time_s"]
+        print(f"\nstate {nbytes / MiB:.0f} MiB; loopback TCP limit {limit:.3f} s ({nbytes / limit / GiB:.2f} GiB/s)")
+        print(f"  {'way':34} {'best s':>8} {'median s':>9} {'GiB/s':>7} {'x limit':>8} {'x torch.load':>13}")
+        base = r["ways"]["torch.load"]["median_s"]
+        for name, w in r["ways"].items():
+            print(f"  {name:34} {w['best_s']:8.3f} {w['median_s']:9.3f} {nbytes / w['best_s'] / GiB:7.2f} "
+                  f"{w['median_s'] / limit:8.2f} {w['median_s'] / base:13.2f}")
+        if r["relaunch"]:
+            print("  relaunch, command to restore() returned:")
+            base = r["relaunch"]["torchrun + torch.load"]["median_s"]
+            for name, w in r["relaunch"].items():
+                last = w["phases"][-1]
+                print(f"    {name:32} best {w['best_s']:.2f} s  median {w['median_s']:.2f} s  "
+                      f"({w['median_s'] / base:.2f}x torchrun + torch.load); last run: torch imported at "
+                      f"{last['torch_imported_s']:.2f} s, model built at {last['model_built_s']:.2f} s")
+
+
+def measure(sizes: list[int], rounds: int, procs: bench.Processes, cores: tuple[int, int], *, plain: bool,
+            relaunch_rounds: int = 0) -> list[dict]:
+    """Every way of restoring at each state size (and the relaunch at the first), in scratch directories."""
+    results = []
+    for index, size in enumerate(sizes):
+        workdir = Path(tempfile.mkdtemp(prefix=f"bench-restore-{size // MiB}-"))
+        try:
+            result = measure_size(size, rounds, workdir, procs, cores, plain)
+            if index == 0 and relaunch_rounds:
+                result["relaunch"] = measure_relaunch(result, size, relaunch_rounds, workdir, cores[0])
+            result.pop("_stacks"), result.pop("_path")
+            results.append(result)
+        finally:
+            procs.stop_all()
+            shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-mib", default="256,1024,2048", help="state sizes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--relaunch-rounds", type=int, default=3, help="0: skip the relaunch comparison")
+    parser.add_argument("--no-plain", action="store_true", help="skip the --no-tls rows")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    train_core, side_core, _separate = bench.placement()
+    bench.pin_process({train_core})
+    machine = bench.machine()
+    procs = bench.Processes()
+    try:
+        results = measure([int(s) * MiB for s in args.sizes_mib.split(",")], args.rounds, procs,
+                          (train_core, side_core), plain=not args.no_plain, relaunch_rounds=args.relaunch_rounds)
+    finally:
+        procs.stop_all()
+    report(results, machine)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The restore path: byte ranges from dash-memd, the source planner, fetching ahead of the ranks, loading."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import wait_for
+from runs import Cursor
+from test_checkpointer import fresh_objects, same_state, save_world, trained_objects
+
+from dashrun.agent.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, wanted
+from dashrun.agent.restores import ClientPool
+from dashrun.errors import ProtocolError
+from dashrun.wire import image
+from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.agent_messages import RestoreRequest
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import Kind
+
+LAYOUT = "ab" * 32
+
+
+def one_rank_checkpoint(client, job: str, payload: bytes) -> None:
+    header = ShardHeader(job, 1, 0, 1, len(payload), 0, len(payload), 0, 0, LAYOUT)
+    assert client.put_shard(header, [payload])["committed"]
+
+
+def test_byte_ranges_of_a_shard(memd):
+    payload = os.urandom(3 << 20)
+    with memd.client() as client:
+        one_rank_checkpoint(client, "ranges", payload)
+        for start, length in [(0, 1), (12345, 1 << 20), (len(payload) - 7, 7), (len(payload), 0)]:
+            got = bytearray(length)
+            client.get_shard_into("ranges", 1, 0, [memoryview(got)], offset=start)
+            assert bytes(got) == payload[start:start + length]
+        whole = bytearray(len(payload))
+        client.get_shard_into("ranges", 1, 0, [memoryview(whole)])
+        assert bytes(whole) == payload
+        for start, length in [(len(payload) + 1, 0), (len(payload) - 7, 8)]:
+            with pytest.raises(ProtocolError):
+                client.get_shard_into("ranges", 1, 0, [memoryview(bytearray(length))], offset=start)
+        assert client.ping()  # refused requests leave dash-memd serving
+
+
+def test_a_large_shard_is_read_in_pieces_over_several_streams_into_place(memd):
+    payload = os.urandom(2 * PIECE + 12345)
+    with memd.client() as client:
+        one_rank_checkpoint(client, "pieces", payload)
+        info = client.latest("pieces")
+    tails, size = image.layout(info)
+    into = bytearray(size)
+    served = Planner([MemdSource(memd.client, streams=3)]).read(info, wanted(info, tails, None), memoryview(into))
+    assert served == {"dash-memd": len(payload)}
+    assert bytes(into[:len(payload)]) == payload
+
+
+def test_a_node_fetches_the_replicated_state_and_only_its_own_ranks_private_parts(stack, rank_env, monkeypatch):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "sparse", 4, 6, model, opt, sched, [10, 11, 12, 13])
+    with memd.client() as client:
+        info = client.latest("sparse")
+    tails, _ = image.layout(info)
+    extents = wanted(info, tails, range(2, 4))
+    tail_ranks = {e.rank for e in extents if e.at >= tails[0]}
+    assert tail_ranks == {0, 2, 3}  # rank 0's describes the replicated state
+    assert sum(e.nbytes for e in extents) < info.nbytes
+    assert sum(e.nbytes for e in wanted(info, tails, None)) == info.nbytes
+
+    # What this node holds is not read again; the rest comes from dash-memd.
+    into = bytearray(image.layout(info)[1])
+    held = NodeCopy(extents)
+    served = Planner([held, MemdSource(memd.client)]).read(info, wanted(info, tails, None), memoryview(into))
+    assert served == {"this node": sum(e.nbytes for e in extents),
+                      "dash-memd": info.nbytes - sum(e.nbytes for e in extents)}
+
+    # A node whose ranks are 2 and 3 fetches the replicated state and the private parts of 0, 2 and 3; a
+    # request for ranks 0 and 1 then fetches only rank 1's part into the same image.
+    link = AgentLink(str(agent.socket_path))
+    for first in (2, 0):
+        reply = link.call(Kind.RESTORE, RestoreRequest("sparse", None, 2, first).to_body(), timeout=30)
+        reply.close_fds()
+    link.close()
+    fetches = [line for line in agent.log().splitlines() if "fetched sparse step 6" in line]
+    private = [s.nbytes - (s.rep_end - s.rep_start) for s in info.shards]
+    assert len(fetches) == 2, fetches
+    assert f"({info.rep_total + private[0] + private[2] + private[3]} bytes from dash-memd)" in fetches[0]
+    assert f"({private[1]} bytes from dash-memd)" in fetches[1]
+
+    # Rank 1 of a node running ranks 0 and 1 restores from an image without the other node's parts.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model2, opt2, sched2 = fresh_objects()
+    ckpt = rank_env(agent, "sparse", 1, 4, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ckpt.local_world = 2
+    assert ckpt.restore() == 7
+    ckpt.close()
+    assert same_state(model, model2) and same_state(opt, opt2)
+    assert ckpt.objects["data"].position == 11
+    last = [line for line in agent.log().splitlines() if "fetched sparse step 6" in line][-1]
+    assert f"({info.rep_total + private[0] + private[1]} bytes from dash-memd)" in last
+
+
+def test_the_agent_fetches_the_newest_checkpoint_before_its_ranks_ask(memd, agent_factory, rank_env):
+    """Started for a job, dash-agent fetches the job's newest checkpoint at once; the rank's restore() is
+    served from that image, without reading it again."""
+    first = agent_factory(memd)
+    model, opt, sched = trained_objects()
+    save_world(rank_env, first, "ahead", 1, 3, model, opt, sched, [7])
+    first.stop()
+    agent = agent_factory(memd, {"DASH_JOB_ID": "ahead"})
+    wait_for(lambda: "fetched ahead step 3" in agent.log(), 30, "the agent to fetch ahead of its ranks")
+    model2, opt2, sched2 = fresh_objects()
+    ckpt = rank_env(agent, "ahead", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    assert ckpt.restore() == 4
+    ckpt.close()
+    assert same_state(model, model2) and same_state(opt, opt2) and ckpt.objects["data"].position == 7
+    assert agent.log().count("fetched ahead step 3") == 1  # the rank was served what was fetched ahead
+
+
+def test_a_fetch_ahead_that_dash_memd_dies_in_leaves_the_ranks_restore_to_fetch_again(memd, agent_factory,
+                                                                                     rank_env, monkeypatch):
+    first = agent_factory(memd)
+    model, opt, sched = trained_objects()
+    save_world(rank_env, first, "ahead-crash", 1, 3, model, opt, sched, [7])
+    first.stop()
+    memd.stop()
+    monkeypatch.setenv("DASH_CRASH_AT", "channel.mid_data")  # dies once the first piece of a shard is sent
+    memd.start()
+    monkeypatch.delenv("DASH_CRASH_AT")
+    agent = agent_factory(memd, {"DASH_JOB_ID": "ahead-crash"})
+    wait_for(lambda: "ahead of its ranks" in agent.log(), 30, "the fetch ahead to fail")
+    assert memd.proc.wait(10) != 0
+    memd.start()
+    model2, opt2, sched2 = fresh_objects()
+    ckpt = rank_env(agent, "ahead-crash", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    assert ckpt.restore() == 4
+    ckpt.close()
+    assert same_state(model, model2) and same_state(opt, opt2) and ckpt.objects["data"].position == 7
+
+
+def test_restored_optimizer_state_trains_on_and_never_alters_the_image(stack, rank_env):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "train-on", 1, 3, model, opt, sched, [0])
+    results = []
+    for _ in range(2):  # the second restore reads the same image after the first trained on from it
+        model2, opt2, sched2 = fresh_objects()
+        ckpt = rank_env(agent, "train-on", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+        assert ckpt.restore() == 4
+        assert same_state(opt, opt2)
+        torch.manual_seed(5)
+        for _ in range(2):
+            model2(torch.randn(16, 64)).pow(2).mean().backward()
+            opt2.step()
+        results.append(model2.state_dict())
+        ckpt.close()
+    assert not same_state(model, model2)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_extent_split_covers_the_range_in_order():
+    extent = Extent(rank=2, start=10, stop=10 + 2 * PIECE + 5, at=1000)
+    pieces = extent.split(PIECE)
+    assert [p.nbytes for p in pieces] == [PIECE, PIECE, 5]
+    assert pieces[0].start == 10 and pieces[-1].stop == extent.stop
+    assert all(p.at - extent.at == p.start - extent.start for p in pieces)
+
+
+def test_the_agent_keeps_its_connections_to_dash_memd_between_restores_but_not_dead_ones(memd):
+    made = []
+
+    def make():
+        made.append(memd.client())
+        return made[-1]
+
+    pool = ClientPool(make, most=2)
+    for _ in range(3):
+        with pool.client() as client:
+            assert client.ping()
+    assert len(made) == 1  # logged in once
+    memd.stop()
+    memd.start(memd.port)  # closes every connection it had
+    wait_for(lambda: not made[0].idle_and_open(), 10, "the closed connection to read as closed")
+    with pool.client() as client:
+        assert client.ping()  # not the dead one
+    assert len(made) == 2
+    pool.close()

@@ -203,3 +203,28 @@ def test_none_leaves_both_where_the_launcher_runs_and_a_list_is_honoured(memd, t
             assert affinities(rank) == {cpus - {first}}
     finally:
         launch.finish()
+
+
+def test_the_launcher_names_rendezvous_callers_as_torch_does():
+    """The launcher's cheaper stand-in for torch's rendezvous helper names the same frames."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from dashrun.launch import launcher
+
+    original = dynamic_rendezvous.get_method_name
+    launcher._name_rendezvous_callers_cheaply()
+    try:
+        cheap = dynamic_rendezvous.get_method_name
+        assert cheap is not original
+
+        def a_step():
+            return [(cheap(depth), original(depth)) for depth in (1, 2, 3)] + [(cheap(10_000), original(10_000))]
+
+        def the_caller():
+            return a_step()
+
+        for ours, torchs in the_caller():
+            assert ours == torchs
+        assert the_caller()[2][0] == "the_caller"
+    finally:
+        dynamic_rendezvous.get_method_name = original

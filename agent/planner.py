@@ -27,7 +27,7 @@ from typing import Callable, Collection, ContextManager, Iterable, Protocol, Seq
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "wanted"]
+__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "wanted", "widen_once"]
 
 #: Largest byte range read in one request from dash-memd: small enough to spread one shard over every
 #: stream, large enough that a request's round trip is lost in its transfer.
@@ -119,12 +119,11 @@ class MemdSource:
         failures: list[BaseException] = []
 
         def stream() -> None:
-            widened = False
+            widen = widen_once(self.waited_on)
             try:
                 with self.connect() as client:
                     while not failures:
-                        if not widened and self.waited_on():
-                            widened = every_cpu()
+                        widen()
                         try:
                             piece = pieces.get_nowait()
                         except queue.Empty:
@@ -154,6 +153,17 @@ def every_cpu() -> bool:
     with contextlib.suppress(AttributeError, OSError):  # no CPU affinity here, or a cpuset narrower than that
         os.sched_setaffinity(0, range(os.cpu_count() or 1))  # pid 0: this thread only
     return True
+
+
+def widen_once(waited_on: Callable[[], bool]) -> Callable[[], None]:
+    """A check for a loop of a fetch: the first time it finds ``waited_on()``, the thread goes to every CPU."""
+    widened = False
+
+    def check() -> None:
+        nonlocal widened
+        if not widened and waited_on():
+            widened = every_cpu()
+    return check
 
 
 class Planner:

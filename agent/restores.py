@@ -27,7 +27,7 @@ import time
 from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, every_cpu, wanted
+from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, wanted, widen_once
 from dashrun.errors import ChecksumError, DashError, NotFoundError
 from dashrun.util.files import unmap
 from dashrun.wire import image
@@ -237,7 +237,7 @@ class RestoreCache:
         allocator = threading.Thread(target=_allocate, args=(held.fd, missing, stop, self._waited_on),
                                      name="restore-allocate", daemon=True)
         allocator.start()
-        mapped = mmap.mmap(held.fd, max(image.layout(info)[1], 1))
+        mapped = mmap.mmap(held.fd, os.fstat(held.fd).st_size)
         try:
             with memoryview(mapped) as view:
                 served = planner.read(info, missing, view)
@@ -275,13 +275,12 @@ def _allocate(fd: int, extents: list[Extent], stop: threading.Event, waited_on: 
     here, piece by piece in the order the streams fill them, the receivers mostly write to pages that
     exist already. A page the receivers reach first is simply allocated by them.
     """
-    widened = False
+    widen = widen_once(waited_on)
     for extent in sorted(extents, key=lambda e: e.at):
         for piece in extent.split(ALLOCATE_STEP):
             if stop.is_set():
                 return
-            if not widened and waited_on():
-                widened = every_cpu()
+            widen()
             try:
                 os.posix_fallocate(fd, piece.at, piece.nbytes)
             except OSError:  # out of memory for it now: the receivers will say so, or manage

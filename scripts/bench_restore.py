@@ -36,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -46,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -127,20 +127,10 @@ class Stack:
         host, port = self.listen.rsplit(":", 1)
         return MemdClient(host, int(port), self.token, timeout=300, tls=self.tls)
 
-    @contextlib.contextmanager
     def rank(self, local_world: int = 1):
         """This process as the rank of a node of ``local_world`` ranks, talking to this stack's agent."""
-        saved = {k: os.environ.get(k) for k in ("DASH_AGENT_SOCKET", "DASH_JOB_ID", "LOCAL_WORLD_SIZE")}
-        os.environ.update(DASH_AGENT_SOCKET=str(self.socket), DASH_JOB_ID=self.job,
-                          LOCAL_WORLD_SIZE=str(local_world))
-        try:
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        return mock.patch.dict(os.environ, DASH_AGENT_SOCKET=str(self.socket), DASH_JOB_ID=self.job,
+                               LOCAL_WORLD_SIZE=str(local_world))
 
 
 def timed(fn) -> float:

@@ -188,6 +188,14 @@ class RankConnection:
             except UnavailableError:
                 pass
 
+    def send_reshape(self, generation: int) -> None:
+        """Tell the rank that the world of ``generation`` ends at its next checkpoint (a node joins)."""
+        with self._send_lock:
+            try:
+                self.ch.send(Kind.RESHAPE, {"generation": generation})
+            except UnavailableError:
+                pass
+
     def finish(self) -> None:
         """Take no more snapshots: the sender ends once it has delivered those already handed over."""
         self._snapshots.put(None)
@@ -219,6 +227,8 @@ class RankConnection:
         try:
             if self.agent.notice is not None:
                 self.send_notice(self.agent.notice)  # a rank that (re)connects after the notice learns it now
+            if self.agent.reshape_generation is not None:
+                self.send_reshape(self.agent.reshape_generation)  # a rank of a newer world ignores it
             while True:
                 frame = self.ch.recv()
                 try:
@@ -282,6 +292,9 @@ class RankConnection:
             threading.Thread(target=self._wait, args=(request_id, frame.body), daemon=True).start()
         elif frame.kind == Kind.PING:
             self.reply(request_id, {"pid": os.getpid()})
+        elif frame.kind == Kind.RESHAPE:  # from the launcher beside us, not from a rank
+            self.agent.reshape(field_int(frame.body, "generation", 0, MAX_STEP))
+            self.reply(request_id)
         else:
             raise ProtocolError(f"unexpected {frame.kind.name}")
 

@@ -56,6 +56,8 @@ class AgentServer:
         self.notice: Notice | None = None      # the most serious notice this node received
         self._poller: Poller | None = None
         self._acknowledged = False  # the cloud was told the node's state is safe (guarded by _lock)
+        #: the newest world generation whose ranks must end at their next checkpoint (a node joins the job)
+        self.reshape_generation: int | None = None
 
     def report_failure(self, job: str, err: DashError) -> None:
         """Log a delivery failure once per job and kind, not once per shard."""
@@ -115,6 +117,17 @@ class AgentServer:
                                                   deadline=info.deadline))
         if self.config.job:
             threading.Thread(target=self._record_notice, args=(info,), daemon=True).start()
+
+    def reshape(self, generation: int) -> None:
+        """The launcher's request: the world of ``generation`` ends at a checkpoint; every rank of it learns."""
+        with self._lock:
+            if self.reshape_generation is not None and generation <= self.reshape_generation:
+                return
+            self.reshape_generation = generation
+            connections = list(self._connections)
+        log.info("the job's world grows: the ranks of generation %d checkpoint and restart", generation)
+        for conn in connections:
+            conn.send_reshape(generation)
 
     def _record_notice(self, info: Notice) -> None:
         try:

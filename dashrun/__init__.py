@@ -8,10 +8,13 @@ The data path::
 * :mod:`dashrun.rank.checkpointer` — the rank side: stages state into reused shared
   memory beside the next forward/backward, hands it to the node's agent,
   restores the newest committed checkpoint. The only part that imports torch.
+* :mod:`dashrun.data` — ``ElasticSampler``: a data position that survives any change of
+  world size.
 * :mod:`dashrun.wire.protocol`, :mod:`dashrun.wire.channel` — the one wire format.
 * :mod:`dashrun.memd` — dash-memd: catalogue, tiers, server.
 * :mod:`dashrun.launch.launcher`, :mod:`dashrun.launch.cli` — the ``dashrun`` command, a
-  torchrun drop-in built on torch's own elastic launcher.
+  torchrun drop-in built on torch's own elastic launcher; :mod:`dashrun.launch.elastic`,
+  :mod:`dashrun.launch.rendezvous` — a fleet that changes under the job.
 * :mod:`dashrun.env` — every ``DASH_*`` variable the processes exchange.
 * :mod:`dashrun.errors` — exceptions and exit codes.
 
@@ -21,7 +24,7 @@ first use, so dash-agent and dash-memd run on machines without torch.
 
 from __future__ import annotations
 
-__all__ = ["Checkpointer", "ExitCode", "__version__"]
+__all__ = ["Checkpointer", "ElasticSampler", "ExitCode", "__version__"]
 
 from dashrun.errors import ExitCode
 from dashrun.version import __version__
@@ -32,4 +35,8 @@ def __getattr__(name: str):
         from dashrun.rank.checkpointer import Checkpointer
 
         return Checkpointer
+    if name == "ElasticSampler":
+        from dashrun.data.sampler import ElasticSampler
+
+        return ElasticSampler
     raise AttributeError(f"module 'dashrun' has no attribute {name!r}")

@@ -82,6 +82,12 @@ TLS_CA = Var("DASH_TLS_CA", "CA certificates to also verify dash-memd's certific
              "dashrun, dash-agent")
 AGENT_CPUS = Var("DASH_AGENT_CPUS", "CPUs for dash-agent, kept from the ranks: auto, none or a list like 6-7", "user",
                  "dashrun")
+ELASTIC = Var("DASH_ELASTIC", "'1': the job's world may change; a rank whose node stays restarts at the new size "
+              "instead of stopping", "dashrun", "ranks")
+GENERATION = Var("DASH_GENERATION", "the world's generation (its rendezvous round): dash-memd refuses shards of an "
+                 "older one", "dashrun", "ranks")
+MEMBERSHIP = Var("DASH_MEMBERSHIP", "the job's nodes and world history, JSON (Checkpointer.membership)", "dashrun",
+                 "ranks")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
                "all")
 
@@ -89,7 +95,8 @@ ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,
     MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
     DRAIN_TIMEOUT, PARENT_PID, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT, IDLE_TIMEOUT,
-    SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS, CRASH_AT,
+    SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS, ELASTIC,
+    GENERATION, MEMBERSHIP, CRASH_AT,
 )
 
 

@@ -27,6 +27,9 @@ class ExitCode(enum.IntEnum):
     #: Preempted with the state safe in dash-memd: relaunch to resume.
     #: 75 is sysexits' EX_TEMPFAIL, which schedulers treat as "requeue".
     PREEMPTED = 75
+    #: A rank's exit, between the rank and its launcher only: its checkpoint is committed and the job's world
+    #: changes (a node leaves or joins); the launcher starts it again at the new world size.
+    WORLD_CHANGE = 76
 
 
 class ErrorCode(str, enum.Enum):

@@ -405,3 +405,59 @@ def test_close_leaves_no_thread_behind_to_free_what_the_checkpointer_held(stack,
         assert ckpt._notices._group is None and ckpt._notices._work is None
     finally:
         dist.destroy_process_group()
+
+
+def test_the_world_change_hook_is_called_at_restore_with_both_sizes(stack, rank_env):
+    _, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "hooked", 2, 4, model, opt, sched, [1, 2])
+    calls = []
+    model2, opt2, sched2 = fresh_objects()
+    ckpt = rank_env(agent, "hooked", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    ckpt.on_world_change = lambda old, new: calls.append((old, new, same_state(opt, opt2)))
+    assert ckpt.restore() == 5
+    assert calls == [(2, 1, True)]  # after the optimizer was loaded: the place to rescale its learning rate
+    ckpt.close()
+
+
+def test_an_elastic_sampler_is_job_wide_state_even_under_a_per_rank_name(stack, rank_env):
+    from dashrun import ElasticSampler
+
+    _, agent = stack
+    data = list(range(48))
+    samplers = [ElasticSampler(data, num_replicas=2, rank=r, seed=3) for r in range(2)]
+    iterators = [iter(s) for s in samplers]
+    for it in iterators:  # every rank takes 5 samples: the job has consumed 10
+        [next(it) for _ in range(5)]
+    ranks = [rank_env(agent, "sampled", r, 2, data=samplers[r]) for r in range(2)]
+    for ckpt in ranks:
+        assert ckpt.save(0, force=True)
+    assert all(ckpt.wait(timeout=60) for ckpt in ranks)
+    for ckpt in ranks:
+        ckpt.close()
+    # a rank of a bigger world that did not exist at save time still gets the job's position
+    grown = ElasticSampler(data, num_replicas=3, rank=2, seed=3)
+    ckpt = rank_env(agent, "sampled", 2, 3, data=grown)
+    assert ckpt.restore() == 1
+    assert grown.position == 10
+    ckpt.close()
+
+
+def test_a_rank_of_an_older_world_generation_cannot_commit(stack, rank_env, monkeypatch):
+    """A node cut off from the others still reaches dash-memd: the new world's generation fences it out."""
+    memd, agent = stack
+    with memd.client() as client:
+        client.set_generation("fenced", 5)
+    monkeypatch.setenv("DASH_GENERATION", "3")
+    model, opt, _ = trained_objects()
+    ckpt = rank_env(agent, "fenced", 0, 1, model=model, optimizer=opt)
+    assert ckpt.save(0, force=True)
+    assert not ckpt.wait(timeout=30)
+    ckpt.close()
+    monkeypatch.setenv("DASH_GENERATION", "5")
+    ckpt = rank_env(agent, "fenced", 0, 1, model=model, optimizer=opt)
+    assert ckpt.save(1, force=True)
+    assert ckpt.wait(timeout=30)
+    ckpt.close()
+    with memd.client() as client:
+        assert client.latest("fenced").step == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import getpass
 import logging
 import os
+import queue
 import shlex
 import shutil
 import signal
@@ -119,6 +120,45 @@ def test_an_explicit_rendezvous_is_kept(tmp_path, monkeypatch):
     assert config.rdzv_endpoint == "h:5" and "--rdzv-endpoint=h:5" not in config.commands[0]
     assert "--rdzv-id r1" in config.commands[1] and "DASH_JOB_ID=j" in config.commands[1]
     assert "is_host" not in config.commands[0]  # the store is where the user said: torch finds out who hosts it
+
+
+def test_an_elastic_job_runs_the_same_command_on_every_host(tmp_path, monkeypatch):
+    """--nnodes MIN:MAX with --memd: dash-memd serves the rendezvous; no host hosts a store or is named."""
+    config = _config(tmp_path, monkeypatch, "--memd", "stable:7070", "--token-file", "tok", "--nnodes", "1:2",
+                     "x.py")
+    assert config.elastic and "stable:7070" in config.rdzv_endpoint
+    argvs = [shlex.split(c) for c in config.commands]
+    for argv, slots in zip(argvs, (2, 1)):
+        launcher = argv[argv.index(sys.executable) + 1:]
+        assert launcher == ["-m", "dashrun", "--nnodes", "1:2", "--nproc-per-node", str(slots), "--rdzv-id",
+                            config.job_id, "x.py"]
+        assert not any(w.startswith("PET_RDZV_CONF=") for w in argv)
+
+
+def test_a_host_that_leaves_an_elastic_job_does_not_stop_the_others():
+    class Session:  # what _supervise reads of an SSH session
+        def __init__(self, index, name):
+            self.index, self.host, self.interrupted = index, hosts.Host(name, 1), False
+
+        def interrupt(self):
+            self.interrupted = True
+
+        def close(self):
+            pass
+
+    sessions = [Session(0, "a"), Session(1, "b"), Session(2, "c")]
+    results = queue.Queue()
+    for index, code in ((2, 75), (1, -1), (0, 0)):  # c noticed, b lost, a finished the job
+        results.put((index, code))
+    assert fanout._supervise(sessions, results, elastic=True) == 0
+    assert not any(s.interrupted for s in sessions)
+    for index, code in ((0, 75), (1, 75), (2, 75)):
+        results.put((index, code))
+    assert fanout._supervise(sessions, results, elastic=True) == 75
+    results.put((0, 75))
+    results.put((1, -1))
+    assert fanout._supervise(sessions[:2], results, elastic=False) == 75  # not elastic: the first exit stops all
+    assert sessions[1].interrupted
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -122,6 +122,7 @@ BOUNDARIES = [
     ("dashrun.launch", ("dashrun.memd", "dashrun.agent")),
     ("dashrun.wire", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
     ("dashrun.util", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent", "dashrun.wire")),
+    ("dashrun.data", ("dashrun.launch", "dashrun.memd", "dashrun.agent")),
     ("dashrun.errors", ("dashrun",)),
     ("dashrun.env", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent", "dashrun.wire")),
 ]

@@ -36,6 +36,7 @@ from dashrun.util.tokens import read_token
 from dashrun.util.units import format_size
 from dashrun.version import __version__
 from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import MembershipEvent
 from dashrun.wire.protocol import valid_job_id
 from dashrun.wire.tls import TlsSettings
 
@@ -120,13 +121,63 @@ def cli() -> None:
     """Inspect and manage dashrun jobs (launch one with: dashrun [torchrun flags] script.py)."""
 
 
+def _membership_line(event: MembershipEvent, world_before: int | None) -> str:
+    """One event of a job's membership history, as ``dashrun status JOB`` prints it."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time))
+    parts = [when, event.node, event.change]
+    if event.why:
+        parts.append(f"({event.why})")
+    changed = world_before is not None and world_before != event.world  # the first nodes all join one world
+    parts.append(f"world {world_before} -> {event.world}" if changed else f"world {event.world}")
+    at = []
+    if event.step is not None:
+        at.append(f"at step {event.step}")
+    if event.steps_lost is not None:
+        at.append(f"{event.steps_lost} step{'' if event.steps_lost == 1 else 's'} lost")
+    if at:
+        parts.append(", ".join(at))
+    return "  " + "  ".join(parts)
+
+
+def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool) -> None:
+    """``dashrun status JOB``: the job's line of the table, then its membership history."""
+    entry = next((j for j in listing.get("jobs", []) if j["job"] == job), None)
+    events = client.membership(job)
+    generation = client.generation(job)
+    if entry is None and not events and not generation:
+        raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
+    if as_json:
+        _print_json({**(entry or {"job": job}), "generation": generation,
+                     "membership": [event.to_body() for event in events]})
+        return
+    if entry is not None:
+        _print_jobs([entry])
+    else:
+        click.echo(f"{job}: no checkpoints")
+    if not events:
+        click.echo(f"{job}: no membership changes recorded")
+        return
+    click.echo(f"{job}: membership history (world generation {generation}):")
+    before = None
+    for event in events:
+        click.echo(_membership_line(event, before))
+        before = event.world
+
+
 @cli.command()
+@click.argument("job", required=False)
 @memd_options
 @click.option("--json", is_flag=True, show_envvar=True, help="Print JSON.")
-def status(memd, token_file, json) -> None:  # noqa: A002 (the name makes the twin DASH_<COMMAND>_JSON)
-    """Jobs held by dash-memd: newest committed step, where it is, how big, how old."""
+def status(job, memd, token_file, json) -> None:  # noqa: A002 (the name makes the twin DASH_<COMMAND>_JSON)
+    """Jobs held by dash-memd: newest committed step, where it is, how big, how old.
+
+    With JOB: that job, and its membership history (nodes that joined, left or died, and the world size).
+    """
     with connect(memd, token_file) as client:
         listing = client.list()
+        if job is not None:
+            _job_status(client, listing, _job(job), json)
+            return
     if json:
         _print_json(listing)
         return
@@ -139,8 +190,12 @@ def status(memd, token_file, json) -> None:  # noqa: A002 (the name makes the tw
                       + ("" if listing.get("object_listed") else ", not listed yet")
                       + (f" ([red]{escape(listing['object_error'])}[/])" if listing.get("object_error") else ""),
                       highlight=False)
+    _print_jobs(listing.get("jobs", []))
+
+
+def _print_jobs(jobs: list[dict]) -> None:
     table = Table("job", "step", "in", "size", "saved", "ranks", "nodes", "last notice")
-    for job in listing.get("jobs", []):
+    for job in jobs:
         newest = job.get("newest")
         notice = job.get("notice")
         table.add_row(
@@ -154,7 +209,7 @@ def status(memd, token_file, json) -> None:  # noqa: A002 (the name makes the tw
             f"{notice['kind']} {_age(notice['at'])}" if notice else "-",
         )
     console.print(table)
-    for job in listing.get("jobs", []):
+    for job in jobs:
         for tier in ("disk", "object"):
             if job.get(f"{tier}_error"):
                 console.print(f"[red]{escape(job['job'])}: {tier} tier failing: {escape(job[f'{tier}_error'])}[/]")

@@ -73,6 +73,9 @@ class HostsConfig:
     commands: tuple[str, ...]
     job_id: str
     rdzv_endpoint: str
+    #: ``--nnodes MIN:MAX`` with a shared dash-memd: dash-memd serves the rendezvous, a host that leaves is a
+    #: shrink (its dashrun exits 75, or is lost), not a failure that stops the others
+    elastic: bool = False
 
 
 class _DecidedOptions(argparse.ArgumentParser):
@@ -143,7 +146,8 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
     job_id = job_id_from_args(args)
 
     targets = ssh_targets(hosts, args.ssh_config)
-    endpoint = _endpoint(args, targets[0])
+    elastic = _elastic(args)
+    endpoint = f"{args.memd} (dash-memd)" if elastic else _endpoint(args, targets[0])
     options, script = _split_command_line(argv, args)
     options = _without(options, parser, DECIDED)
     rdzv_id = job_id if args.rdzv_id in (None, "", "none") else args.rdzv_id
@@ -166,16 +170,27 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
     commands = []
     for index, (host, target) in enumerate(zip(hosts, targets)):
         # No --node-rank: the c10d rendezvous numbers the hosts itself (torch ignores it, with a warning).
-        decided = ["--nnodes", str(len(hosts)), "--nproc-per-node", str(host.slots),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+        decided = (["--nnodes", args.nnodes, "--nproc-per-node", str(host.slots), "--rdzv-id", rdzv_id] if elastic
+                   else ["--nnodes", str(len(hosts)), "--nproc-per-node", str(host.slots),
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id])
         # torchrun's env twins: the address the peers reach this host at is the one SSH reaches it at
         environment = {**base, "PET_LOCAL_ADDR": target.hostname,
                        env.FRESH.name: "1" if args.fresh and index == 0 else "0"}
-        if own_store:
+        if own_store and not elastic:
             environment["PET_RDZV_CONF"] = f"is_host={int(index == 0)}"
         commands.append(remote_command(cwd=os.getcwd(), python=python, environment=environment,
                                        argv=[*options, *decided, *script]))
-    return HostsConfig(hosts=hosts, targets=targets, commands=tuple(commands), job_id=job_id, rdzv_endpoint=endpoint)
+    return HostsConfig(hosts=hosts, targets=targets, commands=tuple(commands), job_id=job_id, rdzv_endpoint=endpoint,
+                       elastic=elastic)
+
+
+def _elastic(args: argparse.Namespace) -> bool:
+    """``--nnodes MIN:MAX`` (MIN < MAX) with --memd and no --rdzv-endpoint: each host runs the same elastic
+    command, the rendezvous in dash-memd (as a boot script on each Spot node would)."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    low, high = parse_min_max_nnodes(args.nnodes)
+    return args.memd is not None and not args.rdzv_endpoint and low < high
 
 
 # --- SSH sessions --------------------------------------------------------------------
@@ -341,14 +356,14 @@ def run(config: HostsConfig) -> int:
         for session, command in zip(sessions, config.commands):
             log.debug("%s: %s", session.host.name, command)
             session.start(command)
-        return _supervise(sessions, results)
+        return _supervise(sessions, results, elastic=config.elastic)
     finally:
         for session in sessions:
             session.close()
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
-def _supervise(sessions: list[Session], results: queue.Queue) -> int:
+def _supervise(sessions: list[Session], results: queue.Queue, elastic: bool = False) -> int:
     codes: dict[int, int] = {}
     first_failure: int | None = None
     stopped_by: int | None = None
@@ -383,6 +398,10 @@ def _supervise(sessions: list[Session], results: queue.Queue) -> int:
             except queue.Empty:
                 break
             codes[index] = code
+            if elastic and code in (ExitCode.PREEMPTED, -1) and stopped_by is None:
+                log.warning("%s left the job (%s): the others go on without it", sessions[index].host.name,
+                            _describe(code))
+                continue
             if code != 0 and first_failure is None and stopped_by is None:
                 first_failure = index
                 if stop_deadline is None:
@@ -405,4 +424,6 @@ def _supervise(sessions: list[Session], results: queue.Queue) -> int:
     if stopped_by is not None:
         log.error("stopped by signal %s", signal.Signals(stopped_by).name)
         return int(ExitCode.FAILED)
+    if elastic and 0 not in codes.values():  # every host left: the job waits for a relaunch, as after a notice
+        return int(ExitCode.PREEMPTED)
     return int(ExitCode.OK)

@@ -69,19 +69,24 @@ class NodeConfig:
     entrypoint: Any  # the program (a path) or a function, as torch's config_from_args gives it
     entrypoint_args: tuple
     placement: Placement = Placement()
+    #: dash-memd serves the rendezvous and the world may change under the job (dashrun.launch.elastic)
+    elastic: bool = False
 
 
 def config_from_args(argv: list[str], args: argparse.Namespace) -> NodeConfig:
     """dashrun's options checked, then torch's own pre-processing and ``config_from_args``."""
     from torch.distributed.run import config_from_args as torch_config_from_args
 
+    from dashrun.launch.rendezvous import use_memd_rendezvous
+
     options = options_from_args(args)
+    elastic = use_memd_rendezvous(args, options)
     apply_torchrun_defaults(args)
     launch_config, entrypoint, entrypoint_args = torch_config_from_args(args)
     placement = plan(options.agent_cpus, launch_config.nproc_per_node,
                      numa_binding=getattr(launch_config, "numa_options", None) is not None)
     return NodeConfig(options=options, argv=tuple(argv), launch_config=launch_config, entrypoint=entrypoint,
-                      entrypoint_args=tuple(entrypoint_args), placement=placement)
+                      entrypoint_args=tuple(entrypoint_args), placement=placement, elastic=elastic)
 
 
 class AgentProcess:
@@ -153,18 +158,26 @@ class AgentProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def prepare_job(options: LaunchOptions, argv: list[str]) -> None:
+def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = None) -> None:
     """Before any rank starts: reach dash-memd with our token, apply --fresh, store the launch spec.
 
     An unreachable dash-memd is waited for a little (it may be restarting); a
-    token it refuses is a configuration error.
+    token it refuses is a configuration error. ``rdzv_id``: the job's
+    rendezvous in dash-memd (an elastic job), where --fresh never wipes a job
+    that other nodes are running — every node runs the same command, and a
+    replacement that joins later must join it, not start it over.
     """
+    from dashrun.launch.rendezvous import running_elsewhere
+
     token = read_token(options.token_file)
 
     def attempt() -> None:
         with MemdClient(*options.memd, token, timeout=30, tls=options.tls) as client:
             client.ping()
-            if options.fresh:
+            if options.fresh and rdzv_id is not None and running_elsewhere(client, options.job_id, rdzv_id):
+                log.warning("--fresh: job %s is running on other nodes; this node joins it instead of starting it "
+                            "over", options.job_id)
+            elif options.fresh:
                 deleted = client.delete(options.job_id)
                 log.info("--fresh: deleted %d earlier checkpoints of %s", len(deleted), options.job_id)
             spec = JobSpec(tuple(argv), os.getcwd(), socket.gethostname(), time.time())
@@ -186,6 +199,8 @@ def run(config: NodeConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from dashrun.launch import elastic
+
     options, placement = config.options, config.placement
     _name_rendezvous_callers_cheaply()
     with contextlib.ExitStack() as stack:
@@ -196,7 +211,7 @@ def run(config: NodeConfig) -> int:
             log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd, private.root)
         else:
             log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
-        prepare_job(options, list(config.argv))
+        prepare_job(options, list(config.argv), config.launch_config.run_id if config.elastic else None)
         agent = stack.enter_context(AgentProcess(options, placement.agent))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
         os.environ[env.JOB_ID.name] = options.job_id
@@ -204,7 +219,11 @@ def run(config: NodeConfig) -> int:
         try:
             # torch's agent starts (and restarts) the ranks from this thread: they inherit its CPUs.
             with thread_affinity(placement.ranks):
-                elastic_launch(config.launch_config, config.entrypoint)(*config.entrypoint_args)
+                if config.elastic:
+                    elastic.launch(config.launch_config, config.entrypoint, config.entrypoint_args, options,
+                                   str(agent.socket_path), preempted=lambda: watcher.record() is not None)
+                else:
+                    elastic_launch(config.launch_config, config.entrypoint)(*config.entrypoint_args)
         except ChildFailedError as e:
             if watcher.record() is None:
                 _report_child_failure(e)

@@ -6,6 +6,9 @@
   over :mod:`.entry` (the states), :mod:`.ledger` (the shared bookkeeping), :mod:`.retention`,
   :mod:`.disk_writer` and :mod:`.uploader`.
 * :mod:`.tiers` — where the bytes are: RAM, disk, object storage.
+* :mod:`.fleet` — the requests of the fleet view, over :mod:`.rendezvous` (torch's rendezvous states, on a
+  fencing token), :mod:`.membership` (the world generation fence and the membership history) and
+  :mod:`.kvstore` (each job's key/value store for the rendezvous's bootstrap).
 """
 
 __all__ = []

@@ -37,7 +37,7 @@ import dataclasses
 import logging
 import mmap
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from dashrun.errors import ChecksumError, ConflictError, NoSpaceError, NotFoundError, UnavailableError
 from dashrun.memd.disk_writer import DiskWriter
@@ -88,6 +88,10 @@ class Catalogue:
         self._cond = self.ledger.cond
         self._nodes: dict[str, dict[str, float]] = {}  # job -> node -> when it last sent a shard
         self._notices: dict[str, dict] = {}            # job -> the last interruption notice a node reported
+        #: Raises (ConflictError) for a shard its job no longer takes: one of an older world generation
+        #: (:meth:`dashrun.memd.membership.Membership.check_shard`). Called as a shard is announced and as its
+        #: checkpoint commits, with the catalogue's lock held; it must not block.
+        self.fence: Callable[[ShardHeader], None] = lambda header: None
 
     # --- start-up ----------------------------------------------------------------
 
@@ -130,6 +134,7 @@ class Catalogue:
                 f"a shard of {format_size(header.nbytes)} exceeds dash-memd's --memory-limit of "
                 f"{format_size(self.ram.limit)}")
         with self._cond:
+            self.fence(header)
             key = (header.job, header.step)
             shape = (header.world, header.rep_total, header.layout)
             committed = self.ledger.committed.get(header.job, {}).get(header.step)
@@ -200,6 +205,12 @@ class Catalogue:
             if problem:
                 self.ledger.drop_receiving(entry)
                 raise ConflictError(f"{entry.job} step {entry.step} cannot commit: {problem}")
+            try:  # the job may have moved on to a newer world while the shards arrived
+                for shard in shards:
+                    self.fence(shard)
+            except ConflictError:
+                self.ledger.drop_receiving(entry)
+                raise
             self._commit(entry, CheckpointInfo(entry.job, entry.step, entry.world, entry.rep_total,
                                                entry.layout, time.time(), shards))
             return True

@@ -25,6 +25,7 @@ from dashrun.errors import DashError, ProtocolError, UnavailableError
 from dashrun.memd.admission import Admission, Slot
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
+from dashrun.memd.fleet import FleetRequests
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.util.files import write_atomic
 from dashrun.util.problems import ProblemLog
@@ -58,6 +59,8 @@ class MemdServer:
         self.catalogue = Catalogue(RamTier(config.memory_limit), DiskTier(config.data_dir),
                                    keep_ram=config.keep_ram, keep_disk=config.keep_disk, objects=objects,
                                    keep_object=config.keep_object, upload_queue=config.upload_queue)
+        self.fleet = FleetRequests(config.data_dir)
+        self.catalogue.fence = self.fleet.membership.check_shard
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._clients: set[socket.socket] = set()
@@ -74,6 +77,7 @@ class MemdServer:
             Kind.GET_SPEC: self._get_spec,
             Kind.DELETE: self._delete,
             Kind.NOTICE: self._notice,
+            **self.fleet.handlers(),
         }
         self.address: tuple[str, int] | None = None
         # Made (or loaded) before anything listens: a certificate that cannot be loaded is a usage error.
@@ -84,6 +88,7 @@ class MemdServer:
     def start(self) -> None:
         self._lock_data_dir()
         self.catalogue.load_disk()
+        self.fleet.load()
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -136,6 +141,7 @@ class MemdServer:
         """Stop serving, then finish pending disk writes within the shutdown timeout."""
         self._stopping.set()
         self.catalogue.close()
+        self.fleet.close()  # requests waiting for store keys return now
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress
@@ -344,7 +350,10 @@ class MemdServer:
         ch.send(Kind.OK, {"spec": spec.to_body() if spec else None})
 
     def _delete(self, ch: Channel, frame: Frame) -> None:
-        deleted = self.catalogue.delete(field_job(frame.body), field_int(frame.body, "keep", 0, 1 << 20))
+        job, keep = field_job(frame.body), field_int(frame.body, "keep", 0, 1 << 20)
+        deleted = self.catalogue.delete(job, keep)
+        if keep == 0:  # the whole job: its fleet records go with its launch spec and notices
+            self.fleet.delete_job(job)
         ch.send(Kind.OK, {"deleted": deleted})
 
     def _notice(self, ch: Channel, frame: Frame) -> None:

@@ -46,16 +46,17 @@ import concurrent.futures
 import logging
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 
 from dashrun import env
-from dashrun.errors import DashError, UsageError
+from dashrun.errors import DashError, ExitCode, UsageError
 from dashrun.rank.notices import Agreement, NoticeBoard, in_process_group
 from dashrun.rank.restore import restore_state
 from dashrun.rank.snapshot import SaveStats, Snapshot, capture
 from dashrun.rank.stager import SAVE, Stager
+from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.problems import ProblemLog
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import WaitReply, WaitRequest
@@ -64,6 +65,29 @@ from dashrun.wire.protocol import Kind
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
+
+
+def _job_wide(obj: Any) -> bool:
+    from dashrun.data.sampler import ElasticSampler
+
+    return isinstance(obj, ElasticSampler)
+
+
+def _int_env(var: env.Var) -> int:
+    value = env.get(var, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _membership_from_env() -> dict[str, Any] | None:
+    """The launcher's view of the job's membership (``DASH_MEMBERSHIP``); None when absent or unreadable."""
+    text = env.get(env.MEMBERSHIP)
+    if not text:
+        return None
+    try:
+        value = loads_bounded(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _show_logs_of_rank(rank: int) -> None:
@@ -86,7 +110,8 @@ class Checkpointer:
     """
 
     def __init__(self, *, interval: int = 100, early_interval: int | None = None, per_rank: Iterable[str] = ("data",),
-                 job_id: str | None = None, **objects: Any):
+                 job_id: str | None = None, on_world_change: Callable[[int, int], None] | None = None,
+                 **objects: Any):
         if interval < 1 or (early_interval is not None and early_interval < 1):
             raise UsageError("interval and early_interval must be at least 1 step")
         for name, obj in objects.items():
@@ -97,7 +122,8 @@ class Checkpointer:
         #: the interval after an early warning (rebalance recommendation, maintenance) reached any rank
         self.early_interval = early_interval or max(1, interval // 4)
         self.objects = objects
-        self.per_rank = frozenset(per_rank) & objects.keys()
+        # An ElasticSampler's position is the job's, not the rank's: replicated even under a per_rank name.
+        self.per_rank = frozenset(name for name in per_rank if name in objects and not _job_wide(objects[name]))
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -105,6 +131,15 @@ class Checkpointer:
         self.job_id = job_id or env.get(env.JOB_ID)
         self.stats = SaveStats()
         self.preempted = False
+        #: The job's world may change under dashrun (``--nnodes MIN:MAX`` with ``--memd``): when another node goes
+        #: away or joins, this rank checkpoints and is started again at the new world size.
+        self.elastic = env.get(env.ELASTIC) == "1"
+        self.generation = _int_env(env.GENERATION)
+        #: The job's nodes and world history as the launcher last saw them (None when not launched elastic).
+        self.membership = _membership_from_env()
+        #: Called by restore() as ``on_world_change(saved_world, world)`` when the checkpoint was taken at another
+        #: world size (ranks): the place to rescale a learning rate or a per-rank batch.
+        self.on_world_change = on_world_change
         _show_logs_of_rank(self.rank)
         self._socket = env.get(env.AGENT_SOCKET)
         self.enabled = bool(self._socket and self.job_id)
@@ -114,8 +149,9 @@ class Checkpointer:
         # Each kind of trouble is reported once; a stored shard clears them (see dashrun.rank.stager).
         self._problems = ProblemLog(log)
         # Set before the link exists: its reader thread may deliver a notice the moment it connects.
-        self._notices = NoticeBoard(self.world, self.early_interval)
-        self._link = AgentLink(self._socket, on_notice=self._notices.on_notice) if self.enabled else None
+        self._notices = NoticeBoard(self.world, self.early_interval, self.generation)
+        self._link = (AgentLink(self._socket, on_notice=self._notices.on_notice, on_reshape=self._notices.on_reshape)
+                      if self.enabled else None)
         if self._link is not None:
             self._link.request(Kind.PING)  # connect now: a notice the agent already has reaches us at once
         if self.world > 1 and not in_process_group() and self.enabled:
@@ -123,9 +159,10 @@ class Checkpointer:
                         "notice the ranks cannot agree on one step (call init_process_group before Checkpointer)",
                         self.world)
         self._stager = Stager(self._link, job_id=self.job_id, rank=self.rank, world=self.world, stats=self.stats,
-                              problems=self._problems)
+                              problems=self._problems, generation=self.generation)
         self._current: Snapshot | None = None    # the newest snapshot handed to the stager
         self._last_step: int | None = None       # step of the newest snapshot (or restored checkpoint)
+        self._closed = False
         self._hooks = [obj.register_step_pre_hook(self._before_optimizer_step)
                        for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
 
@@ -144,6 +181,8 @@ class Checkpointer:
         if not self.enabled or self.preempted:
             return False
         agreed = self._notices.agree()
+        if (agreed.emergency or agreed.reshape) and self.elastic and not self._notices.noticed_here:
+            self._world_change(step, agreed)
         if agreed.emergency:
             return self._emergency(step, agreed)
         try:
@@ -198,6 +237,20 @@ class Checkpointer:
         self._notices.settle()
         return started
 
+    def _world_change(self, step: int, agreed: Agreement) -> NoReturn:
+        """This node stays while the world changes (another node's notice, or a node joining): checkpoint
+        ``step``, wait until it is committed, and end this rank for its launcher to start it again at the new
+        world size, where restore() returns ``step + 1``. ``preempted`` stays False: the job goes on."""
+        why = "another node goes away" if agreed.emergency else "a node joins"
+        log.warning("dashrun: rank %d: %s: checkpoint of step %d, then restarting at the new world size", self.rank,
+                    why, step)
+        started = self._snapshot(step, wait_for_buffer=True)
+        if not (started and self.wait(timeout=agreed.commit_budget())):
+            log.error("dashrun: rank %d: the checkpoint of step %d was NOT committed; the job continues from the "
+                      "newest committed one", self.rank, step)
+        self.close()
+        raise SystemExit(int(ExitCode.WORLD_CHANGE))
+
     def _problem(self, kind: str, message: str) -> None:
         """Warn once per kind of trouble; a stored shard clears it, so a new failure is reported again."""
         self._problems.problem(SAVE, kind, "dashrun: %s", message)
@@ -248,9 +301,14 @@ class Checkpointer:
         if info is None:
             return 0
         self._last_step = info.step
+        if info.world != self.world and self.on_world_change is not None:
+            self.on_world_change(info.world, self.world)
         return info.step + 1
 
     def close(self) -> None:
+        if self._closed:  # a rank ended for a world change closed it already; the script's own close() follows
+            return
+        self._closed = True
         for hook in self._hooks:
             hook.remove()
         self._notices.close()  # every rank started the last all-reduce: it is settled, then let go

@@ -47,6 +47,8 @@ class Agreement:
     #: Some rank had both staging buffers still on their way to dash-memd: every rank skips a due snapshot,
     #: or one rank's skip would leave the others' shards of that step waiting for a shard that never comes.
     starved: bool = False
+    #: Some rank's world ends at this checkpoint (a node joins the job): every rank checkpoints, then restarts.
+    reshape: bool = False
 
     @property
     def emergency(self) -> bool:
@@ -67,10 +69,12 @@ class Agreement:
 class NoticeBoard:
     """The most serious notice this node's agent pushed, and the per-step agreement on it across ranks."""
 
-    def __init__(self, world: int, early_interval: int):
+    def __init__(self, world: int, early_interval: int, generation: int = 0):
         self.world = world
         self.early_interval = early_interval  # for the message: how often an early warning makes a rank save
+        self.generation = generation          # this world's (DASH_GENERATION): a RESHAPE for an older one is stale
         self.notice: Notice | None = None     # the most serious notice this node's agent pushed
+        self.reshape = False                  # the agent said this world ends at its next checkpoint
         self._flag: torch.Tensor | None = None
         self._work = None                     # the all-reduce of every rank's notice, one step behind
         self._group = None
@@ -92,6 +96,19 @@ class NoticeBoard:
             log.warning("dashrun: %s %s notice: this node goes away in %s; checkpointing at the next step",
                         notice.cloud, notice.kind.value, left)
 
+    def on_reshape(self, body: dict[str, Any]) -> None:
+        """From the agent's reader thread: the world of a generation ends at the next checkpoint (a node joins)."""
+        generation = body.get("generation")
+        if isinstance(generation, int) and generation >= self.generation and not self.reshape:
+            self.reshape = True
+            log.warning("dashrun: a node joins the job: checkpointing at the next step, then restarting at the "
+                        "new world size")
+
+    @property
+    def noticed_here(self) -> bool:
+        """Whether this node itself goes away (its own interruption notice), not only another node of the job."""
+        return self.notice is not None and not self.notice.early_warning
+
     def agree(self) -> Agreement:
         """What every rank published at its previous ``save()`` (:meth:`publish`) — the same on every rank.
 
@@ -106,8 +123,9 @@ class NoticeBoard:
             return Agreement()
         self._work.wait()
         self._work = None
-        level, negated_deadline, starved = self._flag.tolist()
-        return Agreement(int(level), -negated_deadline if negated_deadline > -_NO_DEADLINE else None, starved > 0)
+        level, negated_deadline, starved, reshape = self._flag.tolist()
+        return Agreement(int(level), -negated_deadline if negated_deadline > -_NO_DEADLINE else None, starved > 0,
+                         reshape > 0)
 
     @property
     def shared(self) -> bool:
@@ -124,8 +142,8 @@ class NoticeBoard:
             self._group = (dist.group.WORLD if dist.get_backend() == "gloo"
                            else dist.new_group(backend="gloo"))  # collective: every rank, first save()
         local = self._local()
-        self._flag = torch.tensor([float(local.level), -(local.deadline or _NO_DEADLINE), float(starved)],
-                                  dtype=torch.float64)
+        self._flag = torch.tensor([float(local.level), -(local.deadline or _NO_DEADLINE), float(starved),
+                                   float(local.reshape)], dtype=torch.float64)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 
     def _local(self) -> Agreement:
@@ -133,7 +151,7 @@ class NoticeBoard:
         notice = self.notice
         level = 0 if notice is None else notice.severity
         deadline = notice.deadline if notice is not None and not notice.early_warning and notice.deadline else None
-        return Agreement(level, deadline)
+        return Agreement(level, deadline, reshape=self.reshape)
 
     def settle(self) -> None:
         """Wait for the all-reduce in flight: every rank started it; leave no collective half-done."""

@@ -108,11 +108,12 @@ class Stager:
     """One rank's two staging buffers and the thread that fills them (see the module docstring)."""
 
     def __init__(self, link: AgentLink, *, job_id: str, rank: int, world: int, stats: SaveStats,
-                 problems: ProblemLog):
+                 problems: ProblemLog, generation: int = 0):
         self.link = link
         self.job_id = job_id
         self.rank = rank
         self.world = world
+        self.generation = generation  # the world's (dash-memd refuses shards of an older one); 0: not fenced
         self.stats = stats
         self.problems = problems
         self._buffers: list[SharedBuffer | None] = [None, None]
@@ -228,7 +229,7 @@ class Stager:
         snapshot.header = ShardHeader(
             job=self.job_id, step=snapshot.step, rank=self.rank, world=self.world, rep_total=rep_total,
             rep_start=rep_start, rep_end=rep_end, private_len=priv_len, meta_len=len(meta),
-            layout=hashlib.sha256(rep_json).hexdigest())
+            layout=hashlib.sha256(rep_json).hexdigest(), generation=self.generation)
         with self._cond:
             snapshot.buffer = self._buffer(snapshot.buffer_index, snapshot.header.nbytes)
         snapshot.buffer.write(rep_len + priv_len, meta)

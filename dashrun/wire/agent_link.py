@@ -33,10 +33,12 @@ class AgentLink:
     """
 
     def __init__(self, path: str, *, connect_timeout: float = 5.0,
-                 on_notice: Callable[[dict[str, Any]], None] | None = None):
+                 on_notice: Callable[[dict[str, Any]], None] | None = None,
+                 on_reshape: Callable[[dict[str, Any]], None] | None = None):
         self.path = path
         self.connect_timeout = connect_timeout
         self.on_notice = on_notice  # called (on the reader thread) with each NOTICE the agent pushes
+        self.on_reshape = on_reshape  # likewise with each RESHAPE (the world changes at a checkpoint)
         self._lock = threading.Lock()
         self._ch: Channel | None = None
         self._pending: dict[int, concurrent.futures.Future[Frame]] = {}
@@ -99,10 +101,11 @@ class AgentLink:
         try:
             while True:
                 frame = ch.recv()
-                if frame.kind == Kind.NOTICE:
+                if frame.kind in (Kind.NOTICE, Kind.RESHAPE):
                     frame.close_fds()
-                    if self.on_notice is not None:
-                        self.on_notice(frame.body)
+                    callback = self.on_notice if frame.kind == Kind.NOTICE else self.on_reshape
+                    if callback is not None:
+                        callback(frame.body)
                     continue
                 future = self._pending.pop(frame.body.get("id"), None)
                 if future is None:

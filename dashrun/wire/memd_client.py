@@ -7,18 +7,39 @@ retrying is the caller's decision.
 
 from __future__ import annotations
 
+import base64
 import select
 import threading
+import time
 from typing import Any, Callable, Sequence
 
-from dashrun.errors import ProtocolError, UnavailableError
+from dashrun.errors import NotFoundError, ProtocolError, UnavailableError
 from dashrun.wire.auth import client_handshake
-from dashrun.wire.channel import Channel
-from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader
-from dashrun.wire.protocol import MAX_BYTES, Kind
+from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.messages import (
+    MAX_RDZV_STATE,
+    MAX_STORE_JOB_BYTES,
+    MAX_STORE_VALUE,
+    MAX_STORE_WAIT,
+    CheckpointInfo,
+    JobSpec,
+    MembershipEvent,
+    Notice,
+    ShardHeader,
+)
+from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind
 from dashrun.wire.tls import TlsSettings, connect
 
-__all__ = ["MemdClient"]
+__all__ = ["MemdClient", "StoreTimeoutError"]
+
+
+class StoreTimeoutError(NotFoundError):
+    """Keys of a job's key/value store did not all exist within the timeout of a ``store_get``,
+    ``store_multi_get`` or ``store_wait`` (torch's stores raise ``DistStoreError`` then)."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 class MemdClient:
@@ -160,3 +181,157 @@ class MemdClient:
     def notice(self, job: str, notice: Notice) -> None:
         """Record an interruption notice on the job (shown by ``dashrun status``)."""
         self._request(lambda ch: ch.call(Kind.NOTICE, {"job": job, **notice.to_body()}))
+
+    # --- the fleet view: rendezvous, world generation, membership ------------------------------
+
+    def rendezvous_get(self, job: str, run_id: str) -> tuple[bytes, int] | None:
+        """The rendezvous state of ``run_id`` of ``job`` and its token, or None if none was set yet."""
+        def run(ch: Channel):
+            reply = ch.call(Kind.RDZV_GET, {"job": job, "run_id": run_id}, max_data=MAX_RDZV_STATE)
+            state = ch.recv_data(reply)
+            token = reply.body.get("token")
+            if token is None:
+                return None
+            return state, _token(token)
+        return self._request(run)
+
+    def rendezvous_set(self, job: str, run_id: str, state: bytes, token: int | None) -> tuple[bytes, int, bool] | None:
+        """Compare-and-set, torch's ``RendezvousBackend.set_state``: stores ``state`` iff ``token`` is the
+        current token (None: iff there is no state yet) under a new token; returns the state and token now
+        held and whether this call set them. None only if ``token`` is not None and there is no state (the job
+        was removed): as torch's ``set_state`` may answer."""
+        def run(ch: Channel):
+            body = {"job": job, "run_id": run_id, "state": _b64(state), "token": token}
+            reply = ch.call(Kind.RDZV_SET, body, max_data=MAX_RDZV_STATE)
+            held = ch.recv_data(reply)
+            if reply.body.get("token") is None:
+                return None
+            return held, _token(reply.body["token"]), reply.body.get("set") is True
+        return self._request(run)
+
+    def set_generation(self, job: str, generation: int) -> int:
+        """Raise the job's world generation to ``generation`` if it is higher; returns the job's generation.
+        dash-memd then refuses shards of older generations (above 0)."""
+        return _token(self._request(lambda ch: ch.call(Kind.GENERATION, {"job": job, "generation": generation})
+                                    .body.get("generation")), low=0)
+
+    def generation(self, job: str) -> int:
+        """The job's world generation (0: never raised)."""
+        return self.set_generation(job, 0)
+
+    def record_membership(self, job: str, event: MembershipEvent) -> None:
+        """Add a membership change to the job's history (``dashrun status JOB`` lists it)."""
+        self._request(lambda ch: ch.call(Kind.MEMBER_EVENT, {"job": job, "event": event.to_body()}))
+
+    def membership(self, job: str) -> list[MembershipEvent]:
+        """The job's membership history, oldest first (the newest 1000; fewer if their text is very long)."""
+        raw = self._request(lambda ch: ch.call(Kind.MEMBERSHIP, {"job": job}).body.get("events"))
+        if not isinstance(raw, list):
+            raise ProtocolError("malformed MEMBERSHIP reply")
+        return [MembershipEvent.from_body(event) for event in raw]
+
+    # --- the job's key/value store ---------------------------------------------------------------
+
+    def store_set(self, job: str, key: str, value: bytes) -> None:
+        self.store_multi_set(job, [key], [value])
+
+    def store_multi_set(self, job: str, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        """Set every key to its value: all, or (NoSpaceError past the store's bounds) none."""
+        if len(keys) != len(values):
+            raise ValueError("store_multi_set needs one value per key")
+        body = {"job": job, "keys": list(keys), "values": [_b64(v) for v in values]}
+        self._request(lambda ch: ch.call(Kind.STORE_SET, body))
+
+    def store_get(self, job: str, key: str, timeout: float) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` seconds for it to be set; StoreTimeoutError if not."""
+        return self.store_multi_get(job, [key], timeout)[0]
+
+    def store_multi_get(self, job: str, keys: Sequence[str], timeout: float) -> list[bytes]:
+        """The values of ``keys``, once all exist (waiting up to ``timeout`` seconds; StoreTimeoutError if not)."""
+        reply, data = self._store_wait(Kind.STORE_GET, job, keys, timeout)
+        lengths = reply.get("lengths")
+        if (not isinstance(lengths, list) or len(lengths) != len(keys)
+                or not all(type(n) is int and 0 <= n <= MAX_STORE_VALUE for n in lengths) or sum(lengths) != len(data)):
+            raise ProtocolError("malformed STORE_GET reply")
+        values, offset = [], 0
+        for n in lengths:
+            values.append(data[offset:offset + n])
+            offset += n
+        return values
+
+    def store_wait(self, job: str, keys: Sequence[str], timeout: float) -> None:
+        """Return once every key exists; StoreTimeoutError if some do not within ``timeout`` seconds."""
+        self._store_wait(Kind.STORE_WAIT, job, keys, timeout)
+
+    def store_check(self, job: str, keys: Sequence[str]) -> bool:
+        """Whether every key exists now."""
+        return self._request(lambda ch: ch.call(Kind.STORE_CHECK, {"job": job, "keys": list(keys)})
+                             .body.get("exist")) is True
+
+    def store_add(self, job: str, key: str, amount: int) -> int:
+        """Add ``amount`` to the decimal number ``key`` holds (0 if missing; kept as ASCII, as TCPStore does)."""
+        value = self._request(lambda ch: ch.call(Kind.STORE_ADD, {"job": job, "key": key, "amount": amount})
+                              .body.get("value"))
+        if type(value) is not int:
+            raise ProtocolError("malformed STORE_ADD reply")
+        return value
+
+    def store_compare_set(self, job: str, key: str, expected: bytes, desired: bytes) -> bytes:
+        """TCPStore's compare_set: set ``desired`` iff ``key`` holds ``expected`` (or is missing and ``expected``
+        is empty); returns the value now held (``expected`` when the key is missing and it is not empty)."""
+        def run(ch: Channel):
+            body = {"job": job, "key": key, "expected": _b64(expected), "desired": _b64(desired)}
+            return ch.recv_data(ch.call(Kind.STORE_COMPARE_SET, body, max_data=max(MAX_STORE_VALUE, len(expected))))
+        return self._request(run)
+
+    def store_delete(self, job: str, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        return self._request(lambda ch: ch.call(Kind.STORE_DELETE, {"job": job, "key": key})
+                             .body.get("deleted")) is True
+
+    def store_num_keys(self, job: str) -> int:
+        count = self._request(lambda ch: ch.call(Kind.STORE_NUM_KEYS, {"job": job}).body.get("count"))
+        if type(count) is not int or count < 0:
+            raise ProtocolError("malformed STORE_NUM_KEYS reply")
+        return count
+
+    def store_delete_prefix(self, job: str, prefix: str) -> int:
+        """Delete every key that starts with ``prefix``; how many there were."""
+        count = self._request(lambda ch: ch.call(Kind.STORE_DELETE_PREFIX, {"job": job, "prefix": prefix})
+                              .body.get("deleted"))
+        if type(count) is not int or count < 0:
+            raise ProtocolError("malformed STORE_DELETE_PREFIX reply")
+        return count
+
+    def _store_wait(self, kind: Kind, job: str, keys: Sequence[str], timeout: float) -> tuple[dict, bytes]:
+        """STORE_GET or STORE_WAIT until every key exists: one request per MAX_STORE_WAIT seconds at most (dash-memd
+        bounds how long one request blocks); returns the last reply's body and data."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            wait = min(max(0.0, deadline - time.monotonic()), MAX_STORE_WAIT)
+
+            def run(ch: Channel) -> tuple[Frame, bytes]:
+                ch.settimeout(self.timeout + wait)  # the reply comes once the keys exist, or after ``wait``
+                try:
+                    reply = ch.call(kind, {"job": job, "keys": list(keys), "timeout": wait},
+                                    max_data=MAX_STORE_JOB_BYTES)
+                    return reply, ch.recv_data(reply)
+                finally:
+                    ch.settimeout(self.timeout)
+
+            reply, data = self._request(run)
+            missing = reply.body.get("missing") or []
+            if not missing:
+                return reply.body, data
+            if time.monotonic() >= deadline:
+                count = reply.body.get("missing_count", len(missing))
+                shown = ", ".join(repr(str(k))[:100] for k in missing[:3]) + (", ..." if count > 3 else "")
+                what = f"key {shown}" if count == 1 else f"{count} keys ({shown})"
+                raise StoreTimeoutError(f"{what} of job {job}'s store not set within {timeout:g} s",
+                                        hint="the process that sets them is late, or gone")
+
+
+def _token(value: Any, low: int = 1) -> int:
+    if type(value) is not int or not low <= value <= MAX_STEP:
+        raise ProtocolError("malformed token or generation in a reply")
+    return value

@@ -20,6 +20,7 @@ from dashrun.wire.protocol import (
     HEX_DIGEST,
     MAX_BODY,
     MAX_BYTES,
+    MAX_STEP,
     MAX_WORLD,
     field_bool,
     field_digest,
@@ -30,7 +31,21 @@ from dashrun.wire.protocol import (
     field_str,
 )
 
-__all__ = ["CLOUDS", "CheckpointInfo", "JobSpec", "Notice", "NoticeKind", "ShardHeader", "tiling_problem"]
+__all__ = ["CLOUDS", "MAX_RDZV_STATE", "MAX_STORE_JOB_BYTES", "MAX_STORE_KEY", "MAX_STORE_KEYS", "MAX_STORE_VALUE",
+           "MAX_STORE_WAIT", "MEMBERSHIP_CHANGES", "CheckpointInfo", "JobSpec", "MembershipEvent", "Notice",
+           "NoticeKind", "ShardHeader", "tiling_problem"]
+
+#: Largest rendezvous state (torch's pickled rendezvous state, opaque to dash-memd) of one run id.
+MAX_RDZV_STATE = 1 << 20
+#: Largest key (UTF-8 bytes) and value of a job's key/value store.
+MAX_STORE_KEY = 512
+MAX_STORE_VALUE = 64 << 10
+#: Keys, and bytes of keys and values together, one job's store holds at most.
+MAX_STORE_KEYS = 4096
+MAX_STORE_JOB_BYTES = 16 << 20
+#: Longest one store request waits for keys to appear (a client waits longer by asking again).
+MAX_STORE_WAIT = 300.0
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardHeader:
@@ -42,6 +57,11 @@ class ShardHeader:
     tensors (RNG, data cursor), and its layout description (JSON) — opaque to
     dash-memd, which checks only that the slices of all ranks tile
     ``[0, rep_total)`` and that every rank announced the same ``layout`` digest.
+
+    ``generation`` is the world generation the rank's world was formed in
+    (elastic jobs; 0: not fenced, as from dashrun before elastic jobs):
+    dash-memd refuses a shard of a generation older than the job's, so a
+    node cut off from the others cannot commit into the new world.
     """
 
     job: str
@@ -55,6 +75,7 @@ class ShardHeader:
     meta_len: int
     layout: str
     crc: int = 0  # CRC-32C of the shard's bytes; 0 until they are verified
+    generation: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +101,7 @@ class ShardHeader:
             meta_len=field_int(body, "meta_len", 0, MAX_BODY * 16),
             layout=field_str(body, "layout", 64, HEX_DIGEST),
             crc=field_int(body, "crc", 0, 0xFFFFFFFF, default=0),
+            generation=field_int(body, "generation", 0, MAX_STEP, default=0),
         )
         if header.nbytes > MAX_BYTES:
             raise ProtocolError("shard too large")
@@ -298,3 +320,58 @@ class Notice:
                        node=field_str(body, "node", 255, default=""))
         except ValueError as e:
             raise ProtocolError(f"malformed notice: {e}") from None
+
+
+#: What a membership event says happened to its node.
+MEMBERSHIP_CHANGES = ("joined", "left", "died")
+MAX_WHY = 500
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipEvent:
+    """One change of an elastic job's nodes, as dash-memd records it and ``dashrun status JOB`` lists it.
+
+    ``change``: ``joined``, ``left`` (after a notice: it checkpointed and
+    exited) or ``died`` (gone without notice). ``world``: the job's size in
+    nodes after the change; ``generation``: the world generation it started.
+    ``step``: the committed checkpoint the job continued from, and
+    ``steps_lost`` how many steps done since it were lost (None where not
+    known). ``node`` and ``why`` are printable text (they end up on terminals).
+    """
+
+    time: float
+    node: str
+    change: str
+    why: str
+    world: int
+    generation: int
+    step: int | None = None
+    steps_lost: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.change not in MEMBERSHIP_CHANGES:
+            raise ValueError(f"change must be one of {', '.join(MEMBERSHIP_CHANGES)}, not {self.change!r}")
+        for name, limit in (("node", 255), ("why", MAX_WHY)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > limit or not value.isprintable():
+                raise ValueError(f"{name} must be printable text of at most {limit} characters")
+        if not self.node:
+            raise ValueError("node must not be empty")
+
+    def to_body(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_body(cls, body: dict) -> MembershipEvent:
+        if not isinstance(body, dict):
+            raise ProtocolError("a membership event must be an object")
+        try:
+            return cls(time=field_float(body, "time", 0.0, 1e11), node=field_str(body, "node", 255),
+                       change=field_str(body, "change", 16), why=field_str(body, "why", MAX_WHY, default=""),
+                       world=field_int(body, "world", 0, MAX_WORLD),
+                       generation=field_int(body, "generation", 0, MAX_STEP),
+                       step=None if body.get("step") is None else field_step(body),
+                       steps_lost=None if body.get("steps_lost") is None else field_int(body, "steps_lost", 0,
+                                                                                          MAX_STEP))
+        except ValueError as e:
+            raise ProtocolError(f"malformed membership event: {e}") from None

@@ -25,6 +25,8 @@ This module is pure: it does no I/O (see :mod:`dashrun.wire.channel`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import enum
 import json
@@ -38,8 +40,9 @@ import crc32c as _crc32c
 from dashrun.errors import ProtocolError
 from dashrun.util.boundedjson import MAX_DEPTH, check_depth
 
-__all__ = ["crc32c", "decode_body", "decode_header", "encode_body", "encode_header", "field_bool", "field_digest",
-           "field_float", "field_int", "field_job", "field_nonce", "field_step", "field_str", "Header", "HEADER",
+__all__ = ["crc32c", "decode_body", "decode_header", "encode_body", "encode_header", "field_b64", "field_bool",
+           "field_digest", "field_float", "field_int", "field_job", "field_nonce", "field_run_id", "field_step",
+           "field_str", "Header", "HEADER",
            "HEX_DIGEST", "Kind", "MAGIC", "MAX_BODY", "MAX_BODY_PREAUTH", "MAX_BYTES", "MAX_FDS", "MAX_STEP",
            "MAX_WORLD", "TRAILER", "valid_job_id", "VERSION"]
 
@@ -87,10 +90,26 @@ class Kind(enum.IntEnum):
     GET_SPEC = 24
     DELETE = 25         # forget checkpoints of a job (all, or all but the newest N)
     NOTICE = 26         # an interruption notice a node received (recorded on the job; sent to ranks too)
+    RDZV_GET = 27       # a job's rendezvous state (opaque to dash-memd) and its fencing token
+    RDZV_SET = 28       # compare-and-set of that state on its token
+    GENERATION = 29     # raise (or read) the job's world generation: shards of older generations are refused
+    MEMBER_EVENT = 30   # record a membership change (a node joined, left, died) on the job
+    MEMBERSHIP = 31     # the job's membership history
     # rank <-> dash-agent, over the node's Unix socket
     SNAPSHOT = 32       # a shard in a shared-memory segment (fd attached), possibly still being staged
     RESTORE = 33        # fetch the newest committed checkpoint into shared memory
     PROGRESS = 34       # how much of a SNAPSHOT is staged now (one-way; "failed" aborts it)
+    # to dash-memd: the job's key/value store (RAM only), backing the rendezvous's torch.distributed.Store
+    STORE_SET = 48      # set one or more keys
+    STORE_GET = 49      # values of one or more keys, waiting (bounded) until all exist
+    STORE_ADD = 50      # add to a key's decimal value
+    STORE_COMPARE_SET = 51
+    STORE_CHECK = 52    # whether every key exists, at once
+    STORE_WAIT = 53     # wait (bounded) until every key exists
+    STORE_DELETE = 54
+    STORE_NUM_KEYS = 55
+    STORE_DELETE_PREFIX = 56
+    RESHAPE = 35        # the world changes at a checkpoint (a node joins): launcher -> agent, pushed on to ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,3 +243,27 @@ def field_digest(body: dict, name: str) -> str:
 
 def field_step(body: dict, name: str = "step") -> int:
     return field_int(body, name, 0, MAX_STEP)
+
+
+def field_run_id(body: dict, name: str = "run_id") -> str:
+    """A rendezvous's run id: spelled like a job id (it names a file in dash-memd's data dir)."""
+    value = body.get(name)
+    if not isinstance(value, str) or _JOB_ID.fullmatch(value) is None:
+        raise ProtocolError(
+            f"field {name!r} is not a valid run id (1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit)")
+    return value
+
+
+def field_b64(body: dict, name: str, max_len: int) -> bytes:
+    """Bytes sent as standard base64 in a JSON string, at most ``max_len`` of them once decoded; the string's
+    length is bounded before it is decoded."""
+    value = body.get(name)
+    if not isinstance(value, str) or len(value) > 4 * -(-max_len // 3):
+        raise ProtocolError(f"field {name!r} must be base64 of at most {max_len} bytes")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(f"field {name!r} is not valid base64") from None
+    if len(raw) > max_len:
+        raise ProtocolError(f"field {name!r} must be base64 of at most {max_len} bytes")
+    return raw

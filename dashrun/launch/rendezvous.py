@@ -1,0 +1,276 @@
+"""The job's rendezvous on dash-memd: torch's dynamic rendezvous over dash-memd's authenticated, encrypted link.
+
+With ``--memd``, ``--nnodes MIN:MAX`` (MAX > 1) and no ``--rdzv-endpoint``,
+the rendezvous lives in dash-memd on the stable VM, never on a Spot node.
+:class:`MemdRendezvousBackend` is torch's ``RendezvousBackend``: compare-and-set
+of the state torch's ``DynamicRendezvousHandler`` keeps, which dash-memd
+stores without reading it (and without torch) and persists, so a restarted
+dash-memd brings the rendezvous back. :class:`MemdStore` is the
+``torch.distributed.Store`` for the few keys of each round's bootstrap.
+:class:`DashRendezvousHandler` is torch's handler with what a changing fleet
+needs: the round's members, a leave that does not close the rendezvous for
+the others, and a fresh TCPStore (the one the ranks form their process group
+with) on the world's rank 0 at every round — torch keeps the first round's,
+which dies with its node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    _RendezvousExitOp,
+)
+
+from dashrun.errors import DashError, UnavailableError
+from dashrun.launch.options import LaunchOptions, max_nodes
+from dashrun.util.tokens import read_token
+from dashrun.wire.memd_client import MemdClient, StoreTimeoutError
+
+__all__ = [
+    "BACKEND", "RDZV_DEFAULTS", "DashRendezvousHandler", "MemdConnection", "MemdRendezvousBackend", "MemdStore",
+    "create_handler", "node_name", "use_memd_rendezvous",
+]
+
+log = logging.getLogger(__name__)
+
+#: The rendezvous backend's name (``--rdzv-backend``) when dash-memd serves the rendezvous.
+BACKEND = "dashrun"
+#: dashrun's rendezvous settings where ``--rdzv-conf`` names none. A member is dead after
+#: ``keep_alive_interval * keep_alive_max_attempt`` seconds without a heartbeat (torch: 5 * 3), so survivors
+#: learn of a death within 10 s; ``last_call`` is how long a round waits for more nodes once MIN are there
+#: (torch: 30 s): a shrink should not wait for nodes that are gone, and a late node joins at a checkpoint.
+RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5, "last_call_timeout": 2, "join_timeout": 600,
+                 "close_timeout": 30, "heartbeat_timeout": 5}
+#: Seconds a blocking get of the bootstrap store waits server-side at most, per request.
+STORE_GET_SLICE = 60.0
+#: Keys of each round of the bootstrap store: torch's ``PrefixStore`` adds this and a "/" before each key.
+STORE_ROUND_PREFIX = "torch.rendezvous.{run_id}.{round}/"
+
+
+def use_memd_rendezvous(args: argparse.Namespace, options: LaunchOptions) -> bool:
+    """Serve this launch's rendezvous from dash-memd: a shared dash-memd, several nodes allowed, and neither an
+    explicit ``--rdzv-endpoint`` (which still wins) nor ``--standalone``. Sets torch's rendezvous options."""
+    if options.memd is None or args.rdzv_endpoint or args.standalone or max_nodes(args) < 2:
+        return False
+    if args.rdzv_backend not in ("static", "c10d", BACKEND):
+        return False
+    args.rdzv_backend = BACKEND
+    args.rdzv_endpoint = f"{options.memd[0]}:{options.memd[1]}"
+    if args.rdzv_id in (None, "", "none"):
+        args.rdzv_id = options.job_id
+    given = {item.split("=", 1)[0] for item in (args.rdzv_conf or "").split(",") if "=" in item}
+    extra = [f"{key}={value}" for key, value in RDZV_DEFAULTS.items() if key not in given]
+    args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf or "", *extra]))
+    return True
+
+
+class MemdConnection:
+    """One dash-memd connection for one purpose, reopened when dash-memd closed it while idle."""
+
+    def __init__(self, options: LaunchOptions, timeout: float):
+        self._client = MemdClient(*options.memd, read_token(options.token_file), timeout=timeout, tls=options.tls)
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[MemdClient], Any]) -> Any:
+        with self._lock:
+            if not self._client.idle_and_open():
+                self._client.close()  # never send on a connection dash-memd already timed out
+            return fn(self._client)
+
+    def close(self) -> None:
+        with self._lock:
+            self._client.close()
+
+
+class MemdRendezvousBackend(RendezvousBackend):
+    """torch's rendezvous state, held by dash-memd: compare-and-set by token, persisted there."""
+
+    def __init__(self, options: LaunchOptions, run_id: str):
+        self.job = options.job_id
+        self.run_id = run_id
+        self._memd = MemdConnection(options, timeout=30)
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        return self._call(lambda c: c.rendezvous_get(self.job, self.run_id))
+
+    def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
+        return self._call(lambda c: c.rendezvous_set(self.job, self.run_id, state,
+                                                     token if isinstance(token, int) else None))
+
+    def _call(self, fn):
+        try:
+            return self._memd.call(fn)
+        except UnavailableError as e:
+            raise RendezvousConnectionError(f"dash-memd holds the rendezvous and cannot be reached: {e}") from None
+        except DashError as e:
+            raise RendezvousStateError(f"dash-memd refused the rendezvous state: {e}") from None
+
+
+class MemdStore(dist.Store):
+    """A ``torch.distributed.Store`` over dash-memd's key/value store of the job (RAM only, bounded there).
+
+    torch's rendezvous uses it for each round's bootstrap — rank 0's address
+    for the TCPStore, the agents' role and rank assignment, the exit barrier
+    — a few keys per node and round, so its speed does not matter. A get
+    blocks in dash-memd until the key is set, in slices, up to the store's
+    timeout.
+    """
+
+    def __init__(self, options: LaunchOptions, timeout: timedelta = timedelta(seconds=300)):
+        super().__init__()
+        self.job = options.job_id
+        self._memd = MemdConnection(options, timeout=STORE_GET_SLICE + 30)
+        self.set_timeout(timeout)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout.total_seconds()
+
+    def set(self, key: str, value) -> None:
+        self._memd.call(lambda c: c.store_set(self.job, key, _bytes(value)))
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        self._memd.call(lambda c: c.store_multi_set(self.job, list(keys), [_bytes(v) for v in values]))
+
+    def get(self, key: str) -> bytes:
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        deadline = self._deadline()
+        while True:
+            wait = min(STORE_GET_SLICE, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._memd.call(lambda c: c.store_multi_get(self.job, list(keys), wait))
+            except StoreTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise dist.DistStoreError(f"keys {keys} not set within {self.timeout}") from None
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        while True:
+            wait = min(STORE_GET_SLICE, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._memd.call(lambda c: c.store_wait(self.job, list(keys), wait))
+            except StoreTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise dist.DistStoreError(f"keys {keys} not set within {timeout or self.timeout}") from None
+
+    def add(self, key: str, amount: int) -> int:
+        return self._memd.call(lambda c: c.store_add(self.job, key, int(amount)))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._memd.call(lambda c: c.store_compare_set(self.job, key, _bytes(expected), _bytes(desired)))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._memd.call(lambda c: c.store_check(self.job, list(keys)))
+
+    def delete_key(self, key: str) -> bool:
+        return self._memd.call(lambda c: c.store_delete(self.job, key))
+
+    def num_keys(self) -> int:
+        return self._memd.call(lambda c: c.store_num_keys(self.job))
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self._memd.call(lambda c: c.store_delete_prefix(self.job, prefix))
+
+    def close(self) -> None:
+        self._memd.close()
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def node_name(addr: str) -> str:
+    """How a node is named on the console and in the membership history: its address (a host name by default)."""
+    return addr
+
+
+class DashRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous, with the round's members remembered, a leave that does not close, and a
+    fresh TCPStore for every round (torch reuses the first round's, which dies with that round's rank 0)."""
+
+    members: dict[Any, int]  # the round's participants (torch's node descriptors) and their ranks
+    round: int
+
+    def next_rendezvous(self):
+        self._bootstrap_store_info = None  # a new world, a new store: the old one may have died with its node
+        info = super().next_rendezvous()
+        state = self._state_holder.state
+        self.round = state.round
+        self.members = dict(state.participants)
+        if info.rank == 0 and self.round >= 2 and isinstance(self._store, MemdStore):
+            try:  # keys of rounds before the previous one are of no use to anyone
+                self._store.delete_prefix(STORE_ROUND_PREFIX.format(run_id=self._settings.run_id,
+                                                                    round=self.round - 2))
+            except DashError as e:
+                log.debug("could not drop the store keys of round %d: %s", self.round - 2, e)
+        return info
+
+    @property
+    def this_node(self):
+        return self._this_node
+
+    def departed(self) -> list[Any]:
+        """Members of this round that left or stopped heartbeating (after a sync with dash-memd); all of them
+        when the round itself has moved on without this node."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+            state = self._state_holder.state
+        if state.round != self.round:
+            return [node for node in self.members if node != self._this_node]
+        return [node for node in self.members if node not in state.participants]
+
+    def leave(self) -> None:
+        """Leave the rendezvous without closing it: the others go on without this node."""
+        self._stop_heartbeats()
+        try:
+            self._op_executor.run(_RendezvousExitOp(), time.monotonic() + self._settings.timeout.close.total_seconds())
+        except Exception as e:  # its heartbeat lapses instead
+            log.warning("could not leave the rendezvous cleanly (%s); the others notice within seconds", e)
+
+
+def create_handler(options: LaunchOptions, params: RendezvousParameters) -> DashRendezvousHandler:
+    """torch's ``create_handler`` for the dynamic rendezvous, on dash-memd's backend and store."""
+    def seconds(key: str) -> timedelta | None:
+        value = params.get_as_int(key + "_timeout")
+        return None if value is None else timedelta(seconds=value)
+
+    timeout = RendezvousTimeout(seconds("join"), seconds("last_call"), seconds("close"), seconds("heartbeat"))
+    return DashRendezvousHandler.from_backend(
+        params.run_id, MemdStore(options), MemdRendezvousBackend(options, params.run_id), params.min_nodes,
+        params.max_nodes, params.local_addr, timeout,
+        keep_alive_interval=params.get_as_int("keep_alive_interval", RDZV_DEFAULTS["keep_alive_interval"]),
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", RDZV_DEFAULTS["keep_alive_max_attempt"]))
+
+
+def running_elsewhere(client: MemdClient, job: str, run_id: str) -> bool:
+    """Whether nodes of the job's rendezvous are alive now (a heartbeat within the lapse that makes one dead)."""
+    import pickle
+
+    found = client.rendezvous_get(job, run_id)
+    if found is None:
+        return False
+    try:
+        state = pickle.loads(found[0])  # written by torch's handler on the job's nodes, which hold the token
+        heartbeats = list(state.last_heartbeats.values())
+    except Exception:  # not a state this torch reads: nothing to protect
+        return False
+    lapse = timedelta(seconds=RDZV_DEFAULTS["keep_alive_interval"] * RDZV_DEFAULTS["keep_alive_max_attempt"])
+    now = datetime.now(timezone.utc)
+    return any(now - beat < lapse for beat in heartbeats)

@@ -1,0 +1,188 @@
+"""dash-memd's requests of the fleet view: rendezvous states, world generations, membership histories, stores.
+
+:class:`FleetRequests` owns the records behind them (:mod:`.rendezvous`,
+:mod:`.membership`, :mod:`.kvstore`) and answers their requests for the
+server (:mod:`.server`), which dispatches to :meth:`FleetRequests.handlers`
+as to its own. Rendezvous states are sent as base64 in the request's body and
+come back as the reply's data; so do store values. ``dashrun rm`` of a job
+(DELETE of all its checkpoints) removes its records here too
+(:meth:`FleetRequests.delete_job`), as it removes the job's launch spec and
+notices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from dashrun.errors import ProtocolError
+from dashrun.memd.kvstore import KeyValueStore
+from dashrun.memd.membership import MEMBERSHIP, Membership
+from dashrun.memd.rendezvous import RENDEZVOUS, RendezvousStates
+from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.messages import MAX_STORE_KEYS, MAX_STORE_WAIT, MembershipEvent
+from dashrun.wire.protocol import (
+    MAX_BODY,
+    MAX_STEP,
+    Kind,
+    encode_body,
+    field_b64,
+    field_float,
+    field_int,
+    field_job,
+    field_run_id,
+    field_str,
+)
+
+__all__ = ["MAX_MEMBERSHIP_REPLY", "FleetRequests"]
+
+#: Most bytes of membership events one MEMBERSHIP reply carries (the newest that fit; typically all 1000).
+MAX_MEMBERSHIP_REPLY = MAX_BODY // 2
+
+
+class FleetRequests:
+    """The fleet view's records under ``data_dir`` and the handlers of their requests."""
+
+    def __init__(self, data_dir: Path):
+        self.rendezvous = RendezvousStates(data_dir / RENDEZVOUS)
+        self.membership = Membership(data_dir / MEMBERSHIP)
+        self.store = KeyValueStore()
+
+    def load(self) -> None:
+        """Read what an earlier dash-memd left in the data dir (which the caller holds locked)."""
+        self.rendezvous.load()
+        self.membership.load()
+
+    def close(self) -> None:
+        """dash-memd is stopping: requests waiting for store keys return now."""
+        self.store.close()
+
+    def delete_job(self, job: str) -> None:
+        self.rendezvous.delete_job(job)
+        self.membership.delete_job(job)
+        self.store.delete_job(job)
+
+    def handlers(self) -> dict[Kind, Callable[[Channel, Frame], None]]:
+        return {
+            Kind.RDZV_GET: self._rdzv_get,
+            Kind.RDZV_SET: self._rdzv_set,
+            Kind.GENERATION: self._generation,
+            Kind.MEMBER_EVENT: self._member_event,
+            Kind.MEMBERSHIP: self._membership,
+            Kind.STORE_SET: self._store_set,
+            Kind.STORE_GET: self._store_get,
+            Kind.STORE_ADD: self._store_add,
+            Kind.STORE_COMPARE_SET: self._store_compare_set,
+            Kind.STORE_CHECK: self._store_check,
+            Kind.STORE_WAIT: self._store_wait,
+            Kind.STORE_DELETE: self._store_delete,
+            Kind.STORE_NUM_KEYS: self._store_num_keys,
+            Kind.STORE_DELETE_PREFIX: self._store_delete_prefix,
+        }
+
+    # --- rendezvous, generation, membership -----------------------------------------------------
+
+    def _rdzv_get(self, ch: Channel, frame: Frame) -> None:
+        held = self.rendezvous.get(field_job(frame.body), field_run_id(frame.body))
+        if held is None:
+            ch.send(Kind.OK, {"token": None})
+        else:
+            ch.send(Kind.OK, {"token": held[1]}, data=[held[0]])
+
+    def _rdzv_set(self, ch: Channel, frame: Frame) -> None:
+        body = frame.body
+        token = None if body.get("token") is None else field_int(body, "token", 1, MAX_STEP)
+        result = self.rendezvous.set(field_job(body), field_run_id(body), field_b64(body, "state", MAX_BODY),
+                                     token)
+        if result is None:
+            ch.send(Kind.OK, {"token": None, "set": False})
+        else:
+            ch.send(Kind.OK, {"token": result[1], "set": result[2]}, data=[result[0]])
+
+    def _generation(self, ch: Channel, frame: Frame) -> None:
+        job, generation = field_job(frame.body), field_int(frame.body, "generation", 0, MAX_STEP)
+        ch.send(Kind.OK, {"generation": self.membership.raise_generation(job, generation)})
+
+    def _member_event(self, ch: Channel, frame: Frame) -> None:
+        event = frame.body.get("event")
+        self.membership.record(field_job(frame.body), MembershipEvent.from_body(event))
+        ch.send(Kind.OK)
+
+    def _membership(self, ch: Channel, frame: Frame) -> None:
+        job = field_job(frame.body)
+        history = self.membership.history(job)
+        events, size = [], 0
+        for event in reversed(history):  # the newest that fit in one reply
+            encoded = event.to_body()
+            size += len(encode_body(encoded)) + 1
+            if size > MAX_MEMBERSHIP_REPLY:
+                break
+            events.append(encoded)
+        ch.send(Kind.OK, {"events": events[::-1], "omitted": len(history) - len(events),
+                          "generation": self.membership.generation(job)})
+
+    # --- the jobs' key/value stores ---------------------------------------------------------
+
+    # Values are bounded by the body here, and by the store (a refusal that keeps the connection) there.
+
+    def _store_set(self, ch: Channel, frame: Frame) -> None:
+        body = frame.body
+        keys = _field_keys(body)
+        values = body.get("values")
+        if not isinstance(values, list) or len(values) != len(keys):
+            raise ProtocolError("field 'values' must list one value per key")
+        items = [(key, field_b64({"value": value}, "value", MAX_BODY)) for key, value in zip(keys, values)]
+        self.store.set(field_job(body), items)
+        ch.send(Kind.OK)
+
+    def _store_get(self, ch: Channel, frame: Frame) -> None:
+        body = frame.body
+        values, missing = self.store.get(field_job(body), _field_keys(body), _field_wait(body))
+        if missing:
+            ch.send(Kind.OK, {"missing": missing[:16], "missing_count": len(missing)})
+        else:
+            ch.send(Kind.OK, {"lengths": [len(v) for v in values]}, data=values)
+
+    def _store_add(self, ch: Channel, frame: Frame) -> None:
+        body = frame.body
+        total = self.store.add(field_job(body), field_str(body, "key", MAX_BODY),
+                               field_int(body, "amount", -(1 << 63), (1 << 63) - 1))
+        ch.send(Kind.OK, {"value": total})
+
+    def _store_compare_set(self, ch: Channel, frame: Frame) -> None:
+        body = frame.body
+        held = self.store.compare_set(field_job(body), field_str(body, "key", MAX_BODY),
+                                      field_b64(body, "expected", MAX_BODY),
+                                      field_b64(body, "desired", MAX_BODY))
+        ch.send(Kind.OK, {}, data=[held])
+
+    def _store_check(self, ch: Channel, frame: Frame) -> None:
+        ch.send(Kind.OK, {"exist": self.store.check(field_job(frame.body), _field_keys(frame.body))})
+
+    def _store_wait(self, ch: Channel, frame: Frame) -> None:
+        missing = self.store.wait(field_job(frame.body), _field_keys(frame.body), _field_wait(frame.body))
+        ch.send(Kind.OK, {"missing": missing[:16], "missing_count": len(missing)})
+
+    def _store_delete(self, ch: Channel, frame: Frame) -> None:
+        deleted = self.store.delete(field_job(frame.body), field_str(frame.body, "key", MAX_BODY))
+        ch.send(Kind.OK, {"deleted": deleted})
+
+    def _store_num_keys(self, ch: Channel, frame: Frame) -> None:
+        ch.send(Kind.OK, {"count": self.store.num_keys(field_job(frame.body))})
+
+    def _store_delete_prefix(self, ch: Channel, frame: Frame) -> None:
+        count = self.store.delete_prefix(field_job(frame.body), field_str(frame.body, "prefix", MAX_BODY))
+        ch.send(Kind.OK, {"deleted": count})
+
+
+def _field_keys(body: dict) -> list[str]:
+    """A store request's ``keys``: a list of strings, at most as many as a store holds (each key's own bound is
+    the store's to check, with a refusal rather than a broken connection)."""
+    keys = body.get("keys")
+    if not isinstance(keys, list) or len(keys) > MAX_STORE_KEYS or not all(isinstance(k, str) for k in keys):
+        raise ProtocolError(f"field 'keys' must be a list of at most {MAX_STORE_KEYS} strings")
+    return keys
+
+
+def _field_wait(body: dict) -> float:
+    return field_float(body, "timeout", 0.0, MAX_STORE_WAIT)

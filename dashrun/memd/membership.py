@@ -1,0 +1,164 @@
+"""Each elastic job's world generation (the fence against cut-off nodes) and its membership history.
+
+A job's world generation only rises (:meth:`Membership.raise_generation`);
+the launcher raises it each time the job forms a new world. A shard of a
+generation older than the job's is refused (:meth:`Membership.check_shard`,
+called by the catalogue as a shard is announced and again as its checkpoint
+commits): a node cut off from the others that still reaches dash-memd
+cannot commit into the new world. Generation 0 means "not fenced" (dashrun
+before elastic jobs, and jobs that are not elastic), always accepted.
+
+The history keeps the newest :data:`MAX_EVENTS` membership events of each job
+(``dashrun status JOB`` lists them). Both are kept in
+``<data dir>/membership/<job>.json``, replaced atomically and fsynced at
+every change (changes are rare: one per world change), so a restarted
+dash-memd has them; ``dashrun rm`` removes them with the job's launch spec and
+notices.
+
+Files are written outside the lock that guards the records (one write at a
+time, each of the records as they are then), so a check of a shard, which the
+catalogue makes under its own lock, never waits for a disk.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+from pathlib import Path
+
+from dashrun.errors import ConflictError, NoSpaceError, ProtocolError
+from dashrun.util.boundedjson import loads_bounded
+from dashrun.util.files import write_atomic
+from dashrun.wire.messages import MembershipEvent, ShardHeader
+from dashrun.wire.protocol import MAX_STEP, field_int, valid_job_id
+
+__all__ = ["MAX_EVENTS", "MAX_MEMBERSHIP_JOBS", "MEMBERSHIP", "Membership"]
+
+log = logging.getLogger(__name__)
+
+#: Directory in the data dir with one file per job.
+MEMBERSHIP = "membership"
+#: Membership events kept per job (the newest).
+MAX_EVENTS = 1000
+#: Jobs with a generation or a membership history at once.
+MAX_MEMBERSHIP_JOBS = 1024
+#: Largest file read back (1000 events of the longest fields, JSON-escaped, stay below it).
+_MAX_FILE = 16 << 20
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.generation = 0
+        self.events: collections.deque[MembershipEvent] = collections.deque(maxlen=MAX_EVENTS)
+
+
+class Membership:
+    """The generations and membership histories of every job; every method is safe to call from any thread."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._lock = threading.Lock()        # guards _jobs
+        self._write_lock = threading.Lock()  # one file write at a time
+        self._jobs: dict[str, _Job] = {}
+
+    def load(self) -> None:
+        """Read what an earlier dash-memd left; a file that cannot be read is skipped with a warning."""
+        if not self.root.is_dir():  # made at the first change
+            return
+        for leftover in self.root.glob(".*.tmp"):  # a replacement a stop interrupted
+            leftover.unlink(missing_ok=True)
+        with self._lock:
+            for path in sorted(self.root.glob("*.json")):
+                if not valid_job_id(path.stem) or len(self._jobs) >= MAX_MEMBERSHIP_JOBS:
+                    continue
+                try:
+                    if path.stat().st_size > _MAX_FILE:
+                        raise ValueError("too large")
+                    raw = loads_bounded(path.read_bytes())
+                    if not isinstance(raw, dict) or not isinstance(raw.get("events"), list):
+                        raise ValueError("not a membership record")
+                    record = _Job()
+                    record.generation = field_int(raw, "generation", 0, MAX_STEP)
+                    record.events.extend(MembershipEvent.from_body(e) for e in raw["events"][-MAX_EVENTS:])
+                except (OSError, ValueError, ProtocolError) as e:
+                    log.warning("membership: ignored %s: %s", path, e)
+                    continue
+                self._jobs[path.stem] = record
+
+    # --- the generation fence -----------------------------------------------------------
+
+    def generation(self, job: str) -> int:
+        with self._lock:
+            record = self._jobs.get(job)
+            return record.generation if record else 0
+
+    def raise_generation(self, job: str, generation: int) -> int:
+        """Raise ``job``'s generation to ``generation`` if that is higher; returns the job's generation, which
+        is on disk before this returns."""
+        with self._lock:
+            record = self._jobs.get(job)
+            current = record.generation if record else 0
+            if generation <= current:
+                return current
+            record = record or self._add(job)
+            record.generation = generation
+        log.info("%s: world generation %d", job, generation)
+        self._save(job)
+        return generation
+
+    def check_shard(self, header: ShardHeader) -> None:
+        """ConflictError if ``header`` is of a world generation older than its job's."""
+        if header.generation == 0:
+            return
+        current = self.generation(header.job)
+        if header.generation < current:
+            raise ConflictError(f"shard of world generation {header.generation}, the job is at {current}: this "
+                                "node was cut off from the job",
+                                hint="its ranks restart in the job's new world, or this node leaves")
+
+    # --- the history -----------------------------------------------------------------------
+
+    def record(self, job: str, event: MembershipEvent) -> None:
+        """Add ``event`` to ``job``'s history (the oldest beyond :data:`MAX_EVENTS` goes); on disk on return."""
+        with self._lock:
+            (self._jobs.get(job) or self._add(job)).events.append(event)
+        log.info("%s: %s %s%s, world %d", job, event.node, event.change, f" ({event.why})" if event.why else "",
+                 event.world)
+        self._save(job)
+
+    def history(self, job: str) -> list[MembershipEvent]:
+        """``job``'s membership events, oldest first."""
+        with self._lock:
+            record = self._jobs.get(job)
+            return list(record.events) if record else []
+
+    def delete_job(self, job: str) -> None:
+        """Forget ``job``'s generation and history (``dashrun rm``)."""
+        with self._lock:
+            self._jobs.pop(job, None)
+        self._save(job)
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _add(self, job: str) -> _Job:
+        if len(self._jobs) >= MAX_MEMBERSHIP_JOBS:
+            raise NoSpaceError(f"dash-memd keeps membership records of {MAX_MEMBERSHIP_JOBS} jobs already",
+                               hint="remove finished jobs with: dashrun rm JOB")
+        record = self._jobs[job] = _Job()
+        return record
+
+    def _save(self, job: str) -> None:
+        """Write ``job``'s record as it is now (remove its file if it has none); OSError if that fails."""
+        path = self.root / f"{job}.json"
+        with self._write_lock:
+            with self._lock:
+                record = self._jobs.get(job)
+                body = (None if record is None else
+                        {"generation": record.generation, "events": [e.to_body() for e in record.events]})
+            if body is None:
+                path.unlink(missing_ok=True)
+            else:
+                self.root.mkdir(parents=True, exist_ok=True)
+                write_atomic(path, json.dumps(body, separators=(",", ":")))

@@ -1,0 +1,237 @@
+"""The rendezvous states dash-memd serves: opaque bytes per (job, run id), set by compare-and-set on a token.
+
+torch's ``DynamicRendezvousHandler`` keeps its whole state in a backend that
+offers two calls, ``get_state`` and a conditional ``set_state``; dashrun's
+backend (:mod:`dashrun.launch.elastic`) makes them requests to dash-memd, which
+never parses the state. :meth:`RendezvousStates.set` has exactly the contract
+of torch's ``RendezvousBackend.set_state``: it stores the state iff the
+caller's token is the current one (None: iff there is no state yet), and
+answers the state and token now held and whether this call set them.
+
+Tokens come from one counter for the whole data dir (:class:`TokenSource`),
+so a token is never handed out twice: not for another job, not after the
+job was deleted (``dashrun rm``), not after a restart. The counter reserves
+blocks of tokens in ``<data dir>/rendezvous/TOKENS``, fsynced before any
+token of a block is used.
+
+Each state is a file ``<data dir>/rendezvous/<job>/<run id>.json``, replaced
+atomically (temporary file, rename) at every set, so a restarted dash-memd
+serves the same state and token. Not fsynced: the agents' heartbeats set the
+state about once a second per node, and a rename survives the dash-memd
+process dying however it dies (the page cache is the kernel's); only a crash
+of the whole machine can lose the last seconds of sets. The state read back
+then is an older one whose token is still below every token handed out
+since (the counter's block is durable), so the nodes' next sets fail their
+compare, they read the state again and rewrite what was lost, as after any
+lost race; torch's handler is built for exactly that.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+from dashrun.errors import NoSpaceError, ProtocolError, UsageError
+from dashrun.util.boundedjson import loads_bounded
+from dashrun.util.files import write_atomic
+from dashrun.wire.messages import MAX_RDZV_STATE
+from dashrun.wire.protocol import MAX_STEP, field_b64, field_int, field_run_id, valid_job_id
+
+__all__ = ["MAX_RDZV_BYTES", "MAX_RDZV_JOBS", "MAX_RUN_IDS", "RENDEZVOUS", "RendezvousStates", "TokenSource"]
+
+log = logging.getLogger(__name__)
+
+#: Directory in the data dir that holds the states and the token counter.
+RENDEZVOUS = "rendezvous"
+#: Run ids one job may have states of (each elastic launch of a job uses one).
+MAX_RUN_IDS = 4
+#: Jobs with rendezvous states at once.
+MAX_RDZV_JOBS = 1024
+#: Bytes of rendezvous states held at once, all jobs together.
+MAX_RDZV_BYTES = 256 << 20
+_TOKENS = "TOKENS"
+
+
+class TokenSource:
+    """Fencing tokens: strictly increasing, never handed out twice for the life of the data dir.
+
+    The file holds the highest token that may have been handed out; tokens are
+    reserved ``block`` at a time, each reservation written and fsynced before
+    its first token is used, so a restart (even after a power loss) starts
+    above every token used before.
+    """
+
+    def __init__(self, path: Path, block: int = 1 << 16):
+        self.path = path
+        self.block = block
+        self._lock = threading.Lock()
+        self._next = 1
+        self._reserved = 0
+
+    def load(self) -> None:
+        try:
+            reserved = int(self.path.read_text().strip())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            # Without it, a token could be handed out twice: refusing to start is the only safe answer.
+            raise UsageError(f"cannot read the rendezvous token counter {self.path} ({e})",
+                             hint=f"restore it, or delete the whole {self.path.parent} to forget every job's "
+                                  "rendezvous state") from None
+        with self._lock:
+            self._next = max(self._next, reserved + 1)
+
+    def past(self, token: int) -> None:
+        """Never hand out ``token`` or anything below it (a token read back from a state file)."""
+        with self._lock:
+            self._next = max(self._next, token + 1)
+
+    def next(self) -> int:
+        with self._lock:
+            token = self._next
+            if token > MAX_STEP:
+                raise NoSpaceError("dash-memd has run out of rendezvous tokens", hint="delete its rendezvous/ dir")
+            if token > self._reserved:
+                reserved = min(token + self.block - 1, MAX_STEP)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(self.path, f"{reserved}\n")  # fsynced: no later start may hand these out again
+                self._reserved = reserved
+            self._next = token + 1
+            return token
+
+
+class RendezvousStates:
+    """Every job's rendezvous states; every method is safe to call from any thread.
+
+    ``root`` is ``<data dir>/rendezvous``. :meth:`load` reads what an earlier
+    dash-memd left there; until then the states are empty.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.tokens = TokenSource(root / _TOKENS)
+        self._lock = threading.Lock()  # guards _states and _bytes; held while a state file is replaced
+        self._states: dict[str, dict[str, tuple[bytes, int]]] = {}  # job -> run id -> (state, token)
+        self._bytes = 0
+
+    def load(self) -> None:
+        """Read the token counter and every state file; a state file that cannot be read is skipped (its
+        rendezvous starts over: the nodes' next sets fail and they rendezvous again)."""
+        self.tokens.load()
+        if not self.root.is_dir():  # made at the first set
+            return
+        found = 0
+        with self._lock:
+            for job_dir in sorted(self.root.iterdir()):
+                if job_dir.name.startswith(".trash-"):  # a deletion a stop interrupted
+                    shutil.rmtree(job_dir, ignore_errors=True)
+                if not job_dir.is_dir() or not valid_job_id(job_dir.name):
+                    continue
+                for leftover in job_dir.glob(".*.tmp"):  # a replacement a stop interrupted
+                    leftover.unlink(missing_ok=True)
+                for path in sorted(job_dir.glob("*.json")):
+                    try:
+                        state, token, run_id = _read_state(path)
+                    except (OSError, ValueError, ProtocolError) as e:
+                        log.warning("rendezvous: ignored %s: %s", path, e)
+                        continue
+                    runs = self._states.setdefault(job_dir.name, {})
+                    if len(runs) >= MAX_RUN_IDS or path.stem != run_id:
+                        log.warning("rendezvous: ignored %s: %s", path,
+                                    "too many run ids" if path.stem == run_id else "its name is not its run id")
+                        continue
+                    runs[run_id] = (state, token)
+                    self._bytes += len(state)
+                    self.tokens.past(token)
+                    found += 1
+        if found:
+            log.info("rendezvous: %d states of %d jobs", found, len(self._states))
+
+    def get(self, job: str, run_id: str) -> tuple[bytes, int] | None:
+        with self._lock:
+            return self._states.get(job, {}).get(run_id)
+
+    def set(self, job: str, run_id: str, state: bytes, token: int | None) -> tuple[bytes, int, bool] | None:
+        """Store ``state`` iff ``token`` is the current token (None: iff there is none yet); returns the state
+        and token now held and whether this call set them, or None if there is no state and ``token`` is not
+        None (torch's ``set_state`` answers None then too). Raises NoSpaceError past the bounds."""
+        if len(state) > MAX_RDZV_STATE:
+            raise NoSpaceError(f"a rendezvous state of {len(state)} bytes exceeds the {MAX_RDZV_STATE} allowed")
+        with self._lock:
+            runs = self._states.get(job, {})
+            current = runs.get(run_id)
+            if current is None and token is not None:
+                return None
+            if current is not None and current[1] != token:
+                return current[0], current[1], False
+            if current is None:
+                if job not in self._states and len(self._states) >= MAX_RDZV_JOBS:
+                    raise NoSpaceError(f"dash-memd holds rendezvous states of {MAX_RDZV_JOBS} jobs already",
+                                       hint="remove finished jobs with: dashrun rm JOB")
+                if len(runs) >= MAX_RUN_IDS:
+                    raise NoSpaceError(f"job {job} has rendezvous states of {MAX_RUN_IDS} run ids already",
+                                       hint=f"remove the job's records with: dashrun rm {job}")
+            grown = len(state) - (len(current[0]) if current else 0)
+            if self._bytes + grown > MAX_RDZV_BYTES:
+                raise NoSpaceError(f"dash-memd holds {MAX_RDZV_BYTES} bytes of rendezvous states already",
+                                   hint="remove finished jobs with: dashrun rm JOB")
+            new = (bytes(state), self.tokens.next())
+            self._write(job, run_id, *new)  # before anyone sees the new token: a restart serves what was answered
+            self._states.setdefault(job, {})[run_id] = new
+            self._bytes += grown
+            return new[0], new[1], True
+
+    def delete_job(self, job: str) -> None:
+        """Forget every rendezvous state of ``job`` (``dashrun rm``); its tokens are never handed out again."""
+        with self._lock:
+            runs = self._states.pop(job, {})
+            self._bytes -= sum(len(state) for state, _ in runs.values())
+            job_dir = self.root / job
+            trash = self.root / f".trash-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(job_dir, trash)
+            except FileNotFoundError:
+                return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _write(self, job: str, run_id: str, state: bytes, token: int) -> None:
+        job_dir = self.root / job
+        job_dir.mkdir(parents=True, exist_ok=True)
+        body = {"run_id": run_id, "token": token, "state": base64.b64encode(state).decode()}
+        _replace_file(job_dir / f"{run_id}.json", json.dumps(body).encode())
+
+
+def _read_state(path: Path) -> tuple[bytes, int, str]:
+    with open(path, "rb") as f:
+        raw = f.read(4 * MAX_RDZV_STATE // 3 + 4096 + 1)  # bounded before it is parsed
+    if len(raw) > 4 * MAX_RDZV_STATE // 3 + 4096:
+        raise ValueError("too large")
+    body = loads_bounded(raw)
+    if not isinstance(body, dict):
+        raise ValueError("not an object")
+    return field_b64(body, "state", MAX_RDZV_STATE), field_int(body, "token", 1, MAX_STEP), field_run_id(body)
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically (readers and a restart see the old file or the new one) without fsync: see
+    the module's docstring for why a state file need not be (util.files.write_atomic is the fsynced twin)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,276 @@
+"""A Spot fleet that changes under a running job: real launchers, agents, ranks and one dash-memd.
+
+Every node runs the identical command (``--nnodes MIN:MAX``, no rendezvous
+endpoint: dash-memd serves it). A notice on one node: the job agrees on a
+step, checkpoints it, the noticed node exits 75 and the others go on at the
+smaller world from that step. A node killed outright: the others notice
+within seconds and go on from the newest committed checkpoint. A node that
+joins: the job checkpoints, then grows. Each test rebuilds the committed
+history from the ranks' logs (tests/bin/elastic_train.py) and checks it: no
+step done twice after a notice, at most ``interval`` redone after a kill,
+and every sample of an epoch seen exactly once.
+
+The loopback variants give each node its own 127.0.0.x address; the
+namespace variants put each node in a network namespace of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from conftest import dashrun_cmd, kill_tree, load_fake_metadata, wait_for
+
+pytestmark = pytest.mark.slow
+
+ELASTIC_TRAIN = Path(__file__).parent / "bin" / "elastic_train.py"
+FakeMetadata = load_fake_metadata().FakeMetadata
+PREEMPTED = 75
+SAMPLES, GLOBAL_BATCH = 96, 12  # 8 steps an epoch, at any world size of 1-3 nodes of 1-2 ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    node: str
+    step: int
+    epoch: int
+    world: int
+    generation: int
+    samples: tuple[int, ...]
+
+
+def records(out: Path) -> list[Record]:
+    found = []
+    for path in out.glob("*.log"):
+        for line in path.read_text().splitlines():
+            if line and line[0].isdigit():
+                step, epoch, world, generation, samples = line.split(" ")
+                found.append(Record(path.stem, int(step), int(epoch), int(world), int(generation),
+                                    tuple(map(int, samples.split(",")))))
+    return found
+
+
+def committed_history(out: Path) -> dict[int, list[Record]]:
+    """Per step, the records of the newest world that ran it: steps redone after a rollback replace the lost."""
+    by_step: dict[int, list[Record]] = defaultdict(list)
+    for record in records(out):
+        by_step[record.step].append(record)
+    return {step: [r for r in rs if r.generation == max(x.generation for x in rs)] for step, rs in by_step.items()}
+
+
+def assert_each_sample_once(out: Path) -> None:
+    history = committed_history(out)
+    epochs: dict[int, list[int]] = defaultdict(list)
+    for step in sorted(history):
+        batch = [s for r in history[step] for s in r.samples]
+        assert len(batch) == GLOBAL_BATCH, f"step {step}: global batch of {len(batch)} ({history[step]})"
+        epochs[history[step][0].epoch].extend(batch)
+    for epoch, seen in epochs.items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample seen twice"
+    for epoch in sorted(epochs)[:-1]:  # every epoch but the last ran to its end
+        assert sorted(epochs[epoch]) == list(range(SAMPLES)), f"epoch {epoch} missed samples"
+
+
+def runs_of_steps(out: Path) -> dict[int, set[int]]:
+    """step -> the generations that ran it."""
+    ran: dict[int, set[int]] = defaultdict(set)
+    for record in records(out):
+        ran[record.step].add(record.generation)
+    return ran
+
+
+def worlds(out: Path) -> list[int]:
+    """World sizes (ranks) in the order of the committed history."""
+    history = committed_history(out)
+    sizes = [history[step][0].world for step in sorted(history)]
+    return [w for i, w in enumerate(sizes) if i == 0 or sizes[i - 1] != w]
+
+
+class Node:
+    """One node's dashrun, as its boot script would start it."""
+
+    def __init__(self, memd, job: str, out: Path, index: int, steps: int, *extra: str, nnodes: str = "2:3",
+                 delay: float = 0.15, interval: int = 4, netns=None):
+        self.name = netns.address if netns is not None else f"127.0.0.{index}"
+        cmd = dashrun_cmd(memd, "--nnodes", nnodes, "--local-addr", self.name, "--monitor-interval", "0.1", *extra,
+                          str(ELASTIC_TRAIN), "--out", str(out), "--steps", str(steps), "--samples", str(SAMPLES),
+                          "--global-batch", str(GLOBAL_BATCH), "--interval", str(interval), "--delay", str(delay),
+                          job=job, nproc=1)
+        self.log_path = out.parent / f"node-{index}.err"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(netns.command(cmd) if netns is not None else cmd, stdout=subprocess.DEVNULL,
+                                     stderr=self._log, env={**os.environ, "OMP_NUM_THREADS": "1", **self._gloo(netns)},
+                                     start_new_session=True)
+
+    @staticmethod
+    def _gloo(netns) -> dict[str, str]:
+        """In a namespace the host name resolves to loopback: gloo must be told the node's interface, as on a
+        machine whose host name does not resolve to its address."""
+        return {"GLOO_SOCKET_IFNAME": netns.node_end} if netns is not None else {}
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"node {self.name} still running: {self.log()[-3000:]}") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        kill_tree(self.proc)
+        self._log.close()
+
+
+@pytest.fixture
+def nodes():
+    started: list[Node] = []
+    yield started
+    for node in started:
+        node.stop()
+
+
+@pytest.fixture
+def fakes():
+    started = []
+
+    def make(cloud: str = "aws") -> FakeMetadata:
+        fake = FakeMetadata(cloud).start()
+        started.append(fake)
+        return fake
+
+    yield make
+    for fake in started:
+        fake.stop()
+
+
+def watched(fake) -> list[str]:
+    return ["--cloud", "aws", "--metadata-endpoint", fake.url, "--poll-interval", "0.2"]
+
+
+def newest_step(out: Path) -> int:
+    return max((r.step for r in records(out)), default=-1)
+
+
+def test_a_notice_on_one_node_of_three_shrinks_the_world_and_loses_no_step(memd, nodes, fakes, tmp_path):
+    out, job, steps = tmp_path / "out", "shrink", 30
+    fake = fakes()
+    nodes += [Node(memd, job, out, 1, steps, "--cloud", "none"), Node(memd, job, out, 2, steps, "--cloud", "none"),
+              Node(memd, job, out, 3, steps, *watched(fake))]
+    wait_for(lambda: newest_step(out) >= 6 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the three nodes to train")
+    assert all(n.proc.poll() is None for n in nodes), nodes[0].log()[-3000:]
+    fake.notice()
+    assert nodes[2].wait() == PREEMPTED, nodes[2].log()[-3000:]
+    assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
+    assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
+    ran = runs_of_steps(out)
+    assert sorted(ran) == list(range(steps))
+    assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice after a notice"
+    assert worlds(out) == [3, 2]
+    assert "world 3 -> 2: 127.0.0.3 noticed" in nodes[0].log()
+    assert_each_sample_once(out)
+    with memd.client() as client:
+        history = client.membership(job)
+    assert [(e.node, e.change) for e in history if e.change != "joined"] == [("127.0.0.3", "left")]
+    membership = json.loads((out / "membership.json").read_text())  # ckpt.membership, as rank 0 ended with it
+    assert membership["nodes"] == ["127.0.0.1", "127.0.0.2"] and membership["generation"] > 0
+    assert ("127.0.0.3", "left") in [(e["node"], e["change"]) for e in membership["history"]]
+
+
+def test_the_first_node_killed_outright_the_others_go_on(memd, nodes, tmp_path):
+    """The node started first is SIGKILLed with all its processes. It is also the world's rank 0, which holds
+    the TCPStore the ranks formed their process group with (torch numbers the nodes by address)."""
+    out, job, steps, interval = tmp_path / "out", "killed", 30, 4
+    nodes += [Node(memd, job, out, index, steps, "--cloud", "none", interval=interval) for index in (1, 2, 3)]
+    wait_for(lambda: newest_step(out) >= 9 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the three nodes to train")
+    assert worlds(out) == [3], nodes[0].log()[-3000:]
+    killed_after = newest_step(out)
+    nodes[0].stop()  # SIGKILL, the launcher's whole session
+    assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
+    assert nodes[2].wait() == 0, nodes[2].log()[-3000:]
+    ran = runs_of_steps(out)
+    assert sorted(ran) == list(range(steps))
+    redone = [step for step, gens in ran.items() if len(gens) > 1]
+    assert len(redone) <= interval + 1, f"steps {redone} redone: more than the interval"
+    assert all(step <= killed_after + 1 for step in redone)
+    assert worlds(out) == [3, 2]
+    assert "world 3 -> 2: 127.0.0.1 lost" in nodes[1].log() + nodes[2].log()
+    assert_each_sample_once(out)
+    with memd.client() as client:
+        history = client.membership(job)
+    assert [(e.node, e.change) for e in history if e.change != "joined"] == [("127.0.0.1", "died")]
+
+
+def test_a_node_that_joins_is_admitted_at_a_checkpoint(memd, nodes, tmp_path):
+    out, job, steps = tmp_path / "out", "grow", 60
+    nodes += [Node(memd, job, out, 1, steps, "--cloud", "none", delay=0.3),
+              Node(memd, job, out, 2, steps, "--cloud", "none", delay=0.3)]
+    wait_for(lambda: newest_step(out) >= 2 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the two nodes to train")
+    assert worlds(out) == [2], nodes[0].log()[-3000:]
+    # The same boot command on every node, --fresh included: it must not start a running job over.
+    nodes.append(Node(memd, job, out, 3, steps, "--cloud", "none", "--fresh", delay=0.3))
+    for node in nodes:
+        assert node.wait() == 0, node.log()[-3000:]
+    assert "running on other nodes" in nodes[2].log()
+    ran = runs_of_steps(out)
+    assert sorted(ran) == list(range(steps))
+    assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice when the world grew"
+    assert worlds(out) == [2, 3]
+    assert "world 2 -> 3: 127.0.0.3 joined" in nodes[0].log()
+    assert_each_sample_once(out)
+    late = Node(memd, job, out, 4, steps, "--cloud", "none")  # the job is done: nothing to join
+    nodes.append(late)
+    assert late.wait(120) == 0, late.log()[-3000:]
+    assert "has finished" in late.log()
+
+
+def test_below_min_the_job_waits_then_resumes_when_a_node_joins(memd, nodes, fakes, tmp_path):
+    out, job, steps = tmp_path / "out", "below-min", 30
+    fake = fakes()
+    nodes += [Node(memd, job, out, 1, steps, "--cloud", "none"), Node(memd, job, out, 2, steps, *watched(fake))]
+    wait_for(lambda: newest_step(out) >= 4 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the two nodes to train")
+    fake.notice()
+    assert nodes[1].wait() == PREEMPTED, nodes[1].log()[-3000:]
+    stopped_at = newest_step(out)
+    assert nodes[0].proc.poll() is None  # one node of MIN 2: it waits, it does not end
+    nodes.append(Node(memd, job, out, 3, steps, "--cloud", "none"))
+    assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
+    assert nodes[2].wait() == 0, nodes[2].log()[-3000:]
+    ran = runs_of_steps(out)
+    assert sorted(ran) == list(range(steps))
+    assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice"
+    assert min(step for step, gens in ran.items() if max(gens) > 0) == stopped_at + 1
+    assert_each_sample_once(out)
+
+
+def test_a_node_cut_off_the_network_the_others_go_on(fleet_factory, memd_factory, nodes, tmp_path):
+    """Each node in a network namespace of its own; the third one's cable is pulled: packets dropped both ways,
+    no connection reset, its peers hear nothing more from it."""
+    fleet = fleet_factory(3)
+    memd = memd_factory("--listen", f"{fleet.host_address}:0")
+    out, job, steps, interval = tmp_path / "out", "cut", 30, 4
+    nodes += [Node(memd, job, out, index + 1, steps, "--cloud", "none", interval=interval, netns=fleet[index])
+              for index in range(3)]
+    wait_for(lambda: newest_step(out) >= 9 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the three nodes to train")
+    assert worlds(out) == [3], nodes[0].log()[-3000:]
+    cut_after = newest_step(out)
+    fleet[2].link_down()
+    assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
+    assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
+    ran = runs_of_steps(out)
+    assert sorted(ran) == list(range(steps))
+    redone = [step for step, gens in ran.items() if len(gens) > 1]
+    assert len(redone) <= interval + 1 and all(step <= cut_after + 1 for step in redone), redone
+    assert worlds(out) == [3, 2]
+    assert f"world 3 -> 2: {fleet[2].address} lost" in nodes[0].log() + nodes[1].log()
+    assert_each_sample_once(out)

@@ -1,0 +1,138 @@
+"""torch's own dynamic rendezvous, served by a real dash-memd: the backend and store of dashrun.launch.elastic.
+
+Nodes here are rendezvous handlers in threads of the test (the elastic
+launcher runs one per node); dash-memd is a real process, over TLS. What the
+fleet tests rely on is checked here, quickly: nodes meet, each round gets a
+fresh TCPStore, a node that leaves does not close the rendezvous, a silent
+one is found dead, and the state outlives a dash-memd restart.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from conftest import wait_for
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from dashrun.launch.options import LaunchOptions
+from dashrun.launch.rendezvous import RDZV_DEFAULTS, MemdStore, create_handler
+from dashrun.wire.tls import TlsSettings
+
+
+def options_for(memd, job: str) -> LaunchOptions:
+    return LaunchOptions(memd=(memd.host, memd.port), token_file=memd.token_file, job_id=job,
+                         tls=TlsSettings(plaintext=bool(memd.tls_args)))
+
+
+def handler_for(memd, job: str, node: int, min_nodes: int = 2, max_nodes: int = 3, **conf):
+    params = RendezvousParameters(backend="dashrun", endpoint=memd.address, run_id=job, min_nodes=min_nodes,
+                                  max_nodes=max_nodes, local_addr=f"127.0.0.{node}",
+                                  **{**RDZV_DEFAULTS, "last_call_timeout": 1, **conf})
+    return create_handler(options_for(memd, job), params)
+
+
+def meet(handlers) -> list:
+    """next_rendezvous() on every handler at once, as the nodes' launchers do."""
+    infos: list = [None] * len(handlers)
+    errors: list = []
+
+    def join(i):
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert all(info is not None for info in infos)
+    return infos
+
+
+@pytest.fixture
+def handlers():
+    made = []
+    yield made
+    for handler in made:
+        handler._stop_heartbeats()
+        if isinstance(handler._store, MemdStore):
+            handler._store.close()
+
+
+def test_nodes_meet_through_dash_memd_and_share_a_store(memd, handlers):
+    handlers += [handler_for(memd, "meet", node) for node in (1, 2)]
+    infos = meet(handlers)
+    assert sorted(info.rank for info in infos) == [0, 1]
+    assert {info.world_size for info in infos} == {2}
+    stores = {(info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) for info in infos}
+    assert len(stores) == 1  # every node was told the same TCPStore, on rank 0's node
+    infos[0].store.set("hello", b"from node 1")
+    assert infos[1].store.get("hello") == b"from node 1"
+    assert infos[1].store.add("count", 2) == 2 and infos[0].store.add("count", 3) == 5
+
+
+def test_a_node_that_leaves_does_not_close_the_rendezvous(memd, handlers):
+    handlers += [handler_for(memd, "leave", node) for node in (1, 2, 3)]
+    first = meet(handlers)
+    assert {info.world_size for info in first} == {3}
+    first_round = handlers[0].round
+    leaving = handlers.pop(2)
+    leaving.leave()
+    # torch's state holder serves a state up to 1 s old from its cache
+    wait_for(lambda: [node.addr for node in handlers[0].departed()] == ["127.0.0.3"], 5, "the leaver to be gone")
+    second = meet(handlers)
+    assert {info.world_size for info in second} == {2}
+    assert handlers[0].round > first_round
+    old = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in first}
+    new = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in second}
+    assert old.isdisjoint(new)  # a fresh TCPStore for the new world
+
+
+def test_a_silent_node_is_found_dead_within_the_heartbeat_lapse(memd, handlers):
+    handlers += [handler_for(memd, "silent", node, keep_alive_interval=1, keep_alive_max_attempt=3)
+                 for node in (1, 2)]
+    meet(handlers)
+    handlers[1]._stop_heartbeats()  # killed: its heartbeats stop, it says nothing
+    started = time.monotonic()
+    wait_for(lambda: handlers[0].departed(), 15, "the silent node to be found dead")
+    assert time.monotonic() - started < 10
+
+
+def test_the_rendezvous_outlives_a_dash_memd_restart(memd, handlers):
+    handlers += [handler_for(memd, "restart", node) for node in (1, 2)]
+    meet(handlers)
+    round_before = handlers[0].round
+    for handler in handlers:
+        handler._stop_heartbeats()
+    port = memd.port
+    memd.stop()
+    memd.start(port=port)
+    again = [handler_for(memd, "restart", node) for node in (1, 2)]
+    handlers += again
+    meet(again)
+    assert again[0].round > round_before  # the same rendezvous went on, not a new one from round 0
+
+
+def test_store_get_waits_for_another_node(memd):
+    options = options_for(memd, "store")
+    a, b = MemdStore(options, timeout=timedelta(seconds=20)), MemdStore(options)
+    try:
+        got = []
+        reader = threading.Thread(target=lambda: got.append(a.get("late")))
+        reader.start()
+        b.set("late", b"value")
+        reader.join(timeout=20)
+        assert got == [b"value"]
+        short = MemdStore(options, timeout=timedelta(seconds=1))
+        with pytest.raises(Exception, match="not set"):
+            short.get("never")
+        short.close()
+    finally:
+        a.close()
+        b.close()

@@ -11,7 +11,9 @@ settings for both — ``--nnodes 2:3``, ``last_call_timeout``,
   first node, ``torch.distributed.checkpoint.save`` every ``--interval`` steps
   to local disk and ``load`` of the newest at start;
 * **dashrun** — the identical ``dashrun --nnodes 2:3`` on every node, the
-  rendezvous and the checkpoints in one dash-memd (TLS).
+  rendezvous and the checkpoints in one dash-memd (TLS);
+* with ``--torch-defaults`` also **torchrun, its defaults** — as a user who
+  sets no rendezvous options runs it (keep-alive 5 s x 3, last call 30 s).
 
 **kill**: the third node is SIGKILLed with all its processes (for torchrun,
 not the first node: that one holds its rendezvous, and losing it ends the
@@ -29,8 +31,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import signal
 import socket
 import statistics
@@ -38,6 +40,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -52,7 +56,7 @@ from dashrun.util.tokens import write_token  # noqa: E402
 
 JOB = HERE / "elastic_job.py"
 NODES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
-RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=600"
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=600"
 MAX_RESTARTS = "100"
 #: Seconds a round may take at most before it is given up (reported as such).
 ROUND_TIMEOUT = 300.0
@@ -91,10 +95,11 @@ class Round:
         rdzv_port = free_port()
         for index, address in enumerate(NODES):
             env = {**bench.child_env(), "BENCH_NODE": address, "OMP_NUM_THREADS": "1"}
-            if system == "torchrun":
+            if system.startswith("torchrun"):
+                conf = f"{RDZV_CONF}," if system == "torchrun" else ""  # "torchrun, its defaults": torch's own
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "bench",
-                       "--rdzv-conf", f"{RDZV_CONF},is_host={int(index == 0)}", "--local-addr", address,
+                       "--rdzv-conf", f"{conf}is_host={int(index == 0)}", "--local-addr", address,
                        "--max-restarts", MAX_RESTARTS, "--monitor-interval", "0.1",
                        str(JOB), "--mode", "dcp", "--ckpt-dir", str(workdir / "dcp"), *job_args]
             else:
@@ -117,7 +122,7 @@ class Round:
         before = self.newest()
         started = time.time()
         if how == "kill":
-            os.killpg(self.nodes[2].pid, signal.SIGKILL)
+            kill_tree(self.nodes[2])
         else:
             fake.notice(kind="terminate", lead=120)
         try:
@@ -133,9 +138,21 @@ class Round:
 
     def stop(self) -> None:
         for proc in self.nodes:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_tree(proc)
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL a node's launcher and every process under it: torch starts the ranks in sessions of their own."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for each in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            each.send_signal(signal.SIGKILL)
+    psutil.wait_procs(tree, timeout=30)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=30)
 
 
 def start_memd(workdir: Path, procs: bench.Processes) -> tuple[str, Path]:
@@ -154,17 +171,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--interval", type=int, default=10, help="checkpoint interval (steps), both systems")
     parser.add_argument("--width", type=int, default=1024, help="MLP width: 3 layers of width^2 fp32 weights")
+    parser.add_argument("--torch-defaults", action="store_true",
+                        help="also torchrun with torch's own rendezvous settings (keep-alive 5 s x 3, last call 30 s)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     machine = bench.machine()
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-", ignore_cleanup_errors=True) as tmp:
         procs = bench.Processes()
         try:
             memd = start_memd(Path(tmp), procs)
             for index in range(args.rounds):
-                for system in ("torchrun", "dashrun"):
-                    workdir = Path(tmp) / f"{system}-{index}"
+                for system in ("torchrun", "dashrun") + (("torchrun, its defaults",) if args.torch_defaults else ()):
+                    workdir = Path(tmp) / f"{system.split(',')[0]}-{'defaults-' if ',' in system else ''}{index}"
                     workdir.mkdir()
                     one = Round(system, workdir, procs, args, memd=memd)
                     try:
@@ -194,8 +213,11 @@ def report(results: list[dict], machine: dict) -> None:
     print("| change | system | seconds to the first step at world 2 (median, runs) | steps lost |")
     print("|---|---|---|---|")
     medians = {}
-    for how, system in (("kill", "torchrun"), ("kill", "dashrun"), ("notice", "dashrun")):
+    for how, system in (("kill", "torchrun"), ("kill", "dashrun"), ("kill", "torchrun, its defaults"),
+                        ("notice", "dashrun")):
         rows = [r for r in results if r["system"] == system and r["how"] == how]
+        if not rows:
+            continue
         times = [r["seconds"] for r in rows if r["seconds"] is not None]
         failed = len(rows) - len(times)
         median = statistics.median(times) if times else None

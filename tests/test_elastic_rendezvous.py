@@ -9,6 +9,8 @@ one is found dead, and the state outlives a dash-memd restart.
 
 from __future__ import annotations
 
+import json
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -16,9 +18,10 @@ from datetime import timedelta
 import pytest
 from conftest import wait_for
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
 from dashrun.launch.options import LaunchOptions
-from dashrun.launch.rendezvous import RDZV_DEFAULTS, MemdStore, create_handler
+from dashrun.launch.rendezvous import RDZV_DEFAULTS, MemdStore, create_handler, state_from_wire, state_to_wire
 from dashrun.wire.tls import TlsSettings
 
 
@@ -136,3 +139,41 @@ def test_store_get_waits_for_another_node(memd):
     finally:
         a.close()
         b.close()
+
+
+def test_the_state_travels_as_checked_json_never_as_a_pickle(memd, handlers):
+    handlers += [handler_for(memd, "json", node) for node in (1, 2)]
+    meet(handlers)
+    with memd.client() as client:
+        held, _token = client.rendezvous_get("json", "json")
+    state = json.loads(held)  # what dash-memd holds, and what every node reads, is JSON
+    assert sorted(p[0] for p in state["participants"]) == ["127.0.0.1", "127.0.0.2"]
+    round_trip = pickle.loads(state_from_wire(state_to_wire(pickle.dumps(handlers[0]._state_holder.state))))
+    assert round_trip.participants == handlers[0]._state_holder.state.participants
+    assert round_trip.last_heartbeats == handlers[0]._state_holder.state.last_heartbeats
+
+
+@pytest.mark.parametrize("held", [
+    pickle.dumps({"round": 1}),                                             # a pickle is never loaded
+    b'{"round": 1}',                                                        # fields missing
+    json.dumps({"round": -1, "complete": False, "closed": False, "deadline": None, "participants": [],
+                "wait_list": [], "redundancy_list": [], "last_heartbeats": []}).encode(),
+    json.dumps({"round": 1, "complete": False, "closed": False, "deadline": None,
+                "participants": [["x" * 300, 1, 0, 0]], "wait_list": [], "redundancy_list": [],
+                "last_heartbeats": []}).encode(),
+    b"[" * 100 + b"]" * 100,                                                # nested too deep
+])
+def test_a_state_that_is_not_torchs_is_refused_in_one_line(held):
+    with pytest.raises(RendezvousStateError) as caught:
+        state_from_wire(held)
+    assert "\n" not in str(caught.value)
+
+
+def test_after_a_failure_a_late_member_is_evicted_at_once_a_live_one_never(memd, handlers):
+    handlers += [handler_for(memd, "late", node) for node in (1, 2)]
+    meet(handlers)
+    assert handlers[0].evict_late(timedelta(seconds=2.5)) == []  # both heartbeat every second
+    handlers[1]._stop_heartbeats()
+    evicted = wait_for(lambda: handlers[0].evict_late(timedelta(seconds=2.5)), 10, "the late member to be evicted")
+    assert [node.addr for node in evicted] == ["127.0.0.2"]
+    assert [node.addr for node in handlers[0].departed()] == ["127.0.0.2"]

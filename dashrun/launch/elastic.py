@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between looks at the rendezvous for members gone or nodes waiting, while the ranks run.
 MEMBERSHIP_POLL = 1.0
+#: After the ranks failed, a member whose heartbeat is this many intervals old is taken as gone.
+LATE_HEARTBEATS = 2.5
 #: Membership events the ranks are given (``Checkpointer.membership["history"]``), newest last.
 HISTORY_FOR_RANKS = 100
 #: Seconds the ranks get to reach a checkpoint when a node waits to join; then they are restarted as torch does.
@@ -198,7 +200,7 @@ class DashElasticAgent(LocalElasticAgent):
                             "from the newest committed checkpoint")
                 self._restart_workers(self._worker_group)
                 grow_asked_at = None
-            elif handler.num_nodes_waiting() > 0:
+            elif self._nodes_waiting(handler) > 0:
                 if grow_asked_at is None:
                     grow_asked_at = time.monotonic()
                     self._ask_for_boundary(handler.round)
@@ -211,17 +213,30 @@ class DashElasticAgent(LocalElasticAgent):
     def _member_lost(self, handler: DashRendezvousHandler, wait: bool) -> bool:
         """Whether a member of this world is gone. ``wait``: the ranks failed, perhaps because a member was
         killed; its heartbeat lapses only after a few seconds, so look until then before calling it a failure."""
-        lapse = handler.settings.keep_alive_interval.total_seconds() * (handler.settings.keep_alive_max_attempt + 1)
+        interval = handler.settings.keep_alive_interval
+        lapse = interval.total_seconds() * (handler.settings.keep_alive_max_attempt + 1)
         deadline = time.monotonic() + (lapse if wait else 0.0)
         while True:
             try:
                 if handler.departed():
+                    return True
+                # The ranks failed: a member that has missed a heartbeat or two is the likely cause. Waiting
+                # for it to miss all of them would only delay the new world.
+                if wait and handler.evict_late(interval * LATE_HEARTBEATS):
                     return True
             except Exception as e:  # dash-memd unreachable: no verdict now
                 log.warning("could not read the rendezvous: %s", e)
             if time.monotonic() >= deadline:
                 return False
             time.sleep(MEMBERSHIP_POLL / 2)
+
+    @staticmethod
+    def _nodes_waiting(handler: DashRendezvousHandler) -> int:
+        try:
+            return handler.num_nodes_waiting()
+        except Exception as e:  # dash-memd unreachable for now: training goes on, the next look may tell
+            log.warning("could not read the rendezvous: %s", e)
+            return 0
 
     def _ask_for_boundary(self, generation: int) -> None:
         """A node waits to join: ask this node's ranks (through dash-agent) to checkpoint and end."""

@@ -8,7 +8,9 @@ replaces signal handlers in its process) and stops it at the end, after it
 has delivered what the ranks handed over. dash-agent (and the private
 dash-memd) and the ranks are started on the CPUs their placement gives
 them (:mod:`dashrun.launch.placement`): a process inherits the CPU affinity
-of the thread that starts it.
+of the thread that starts it. An elastic job (``--nnodes MIN:MAX`` with a
+shared dash-memd) runs under dashrun's own agent instead
+(:mod:`dashrun.launch.elastic`), its rendezvous in dash-memd.
 """
 
 from __future__ import annotations

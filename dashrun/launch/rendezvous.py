@@ -17,7 +17,9 @@ which dies with its node.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import pickle
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -30,11 +32,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     RendezvousTimeout,
+    _NodeDesc,
+    _remove_participant_epilogue,
     _RendezvousExitOp,
+    _RendezvousState,
 )
 
 from dashrun.errors import DashError, UnavailableError
 from dashrun.launch.options import LaunchOptions, max_nodes
+from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.tokens import read_token
 from dashrun.wire.memd_client import MemdClient, StoreTimeoutError
 
@@ -51,7 +57,7 @@ BACKEND = "dashrun"
 #: ``keep_alive_interval * keep_alive_max_attempt`` seconds without a heartbeat (torch: 5 * 3), so survivors
 #: learn of a death within 10 s; ``last_call`` is how long a round waits for more nodes once MIN are there
 #: (torch: 30 s): a shrink should not wait for nodes that are gone, and a late node joins at a checkpoint.
-RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5, "last_call_timeout": 2, "join_timeout": 600,
+RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5, "last_call_timeout": 1, "join_timeout": 600,
                  "close_timeout": 30, "heartbeat_timeout": 5}
 #: Seconds a blocking get of the bootstrap store waits server-side at most, per request.
 STORE_GET_SLICE = 60.0
@@ -94,8 +100,88 @@ class MemdConnection:
             self._client.close()
 
 
+#: Bounds on a rendezvous state read from dash-memd: nodes in each of its lists, and a node's address.
+MAX_NODES = 4096
+MAX_ADDR = 255
+
+
+def state_to_wire(state: bytes) -> bytes:
+    """torch's state holder pickles its ``_RendezvousState``; what goes to dash-memd is that state as JSON.
+
+    The pickle is this process's own, made by torch a moment ago. No pickle
+    crosses a process boundary: the other nodes read the JSON, checked, and
+    make their own pickle of it for torch (:func:`state_from_wire`).
+    """
+    raw = pickle.loads(state)
+
+    def node(desc) -> list:
+        return [desc.addr, desc.pid, desc.local_id]
+
+    return json.dumps({
+        "round": raw.round, "complete": raw.complete, "closed": raw.closed,
+        "deadline": raw.deadline.timestamp() if raw.deadline is not None else None,
+        "participants": [[*node(d), rank] for d, rank in raw.participants.items()],
+        "wait_list": [node(d) for d in raw.wait_list],
+        "redundancy_list": [node(d) for d in raw.redundancy_list],
+        "last_heartbeats": [[*node(d), beat.timestamp()] for d, beat in raw.last_heartbeats.items()],
+    }, separators=(",", ":")).encode()
+
+
+def state_from_wire(data: bytes) -> bytes:
+    """The JSON from dash-memd, every field checked, as the pickle torch's state holder loads."""
+    try:
+        raw = loads_bounded(data, max_depth=4)
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+        state = _RendezvousState()
+        state.round = _int(raw["round"])
+        state.complete, state.closed = _bool(raw["complete"]), _bool(raw["closed"])
+        state.deadline = None if raw["deadline"] is None else _time(raw["deadline"])
+        state.participants = {_node(item[:3]): _int(item[3]) for item in _items(raw["participants"], 4)}
+        state.wait_list = {_node(item) for item in _items(raw["wait_list"], 3)}
+        state.redundancy_list = {_node(item) for item in _items(raw["redundancy_list"], 3)}
+        state.last_heartbeats = {_node(item[:3]): _time(item[3]) for item in _items(raw["last_heartbeats"], 4)}
+    except (KeyError, TypeError, ValueError) as e:
+        raise RendezvousStateError(f"dash-memd holds a rendezvous state this dashrun cannot read: {e}") from None
+    return pickle.dumps(state)
+
+
+def _items(value, width: int) -> list:
+    if not isinstance(value, list) or len(value) > MAX_NODES:
+        raise ValueError(f"a list of at most {MAX_NODES} nodes expected")
+    if not all(isinstance(item, list) and len(item) == width for item in value):
+        raise ValueError("a node entry of the wrong shape")
+    return value
+
+
+def _node(item: list) -> _NodeDesc:
+    addr, pid, local_id = item
+    if not isinstance(addr, str) or not 0 < len(addr) <= MAX_ADDR:
+        raise ValueError("a node address of 1-255 characters expected")
+    return _NodeDesc(addr, _int(pid), _int(local_id))
+
+
+def _int(value) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 63:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _bool(value) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+def _time(value) -> datetime:
+    if type(value) not in (int, float) or not 0 <= value < 1e11:
+        raise ValueError(f"{value!r} is not a time")
+    return datetime.fromtimestamp(value, timezone.utc)
+
+
 class MemdRendezvousBackend(RendezvousBackend):
-    """torch's rendezvous state, held by dash-memd: compare-and-set by token, persisted there."""
+    """torch's rendezvous state, held by dash-memd: compare-and-set by token, persisted there. It travels as
+    checked JSON (:func:`state_to_wire`), never as a pickle."""
 
     def __init__(self, options: LaunchOptions, run_id: str):
         self.job = options.job_id
@@ -107,11 +193,19 @@ class MemdRendezvousBackend(RendezvousBackend):
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Any] | None:
-        return self._call(lambda c: c.rendezvous_get(self.job, self.run_id))
+        found = self._call(lambda c: c.rendezvous_get(self.job, self.run_id))
+        if found is None:
+            return None
+        state, token = found
+        return state_from_wire(state), token
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
-        return self._call(lambda c: c.rendezvous_set(self.job, self.run_id, state,
-                                                     token if isinstance(token, int) else None))
+        answer = self._call(lambda c: c.rendezvous_set(self.job, self.run_id, state_to_wire(state),
+                                                       token if isinstance(token, int) else None))
+        if answer is None:
+            return None
+        held, new_token, was_set = answer
+        return state_from_wire(held), new_token, was_set
 
     def _call(self, fn):
         try:
@@ -236,6 +330,31 @@ class DashRendezvousHandler(DynamicRendezvousHandler):
             return [node for node in self.members if node != self._this_node]
         return [node for node in self.members if node not in state.participants]
 
+    def evict_late(self, late_after: timedelta) -> list[Any]:
+        """Remove the members of this round whose last heartbeat is older than ``late_after``, now, rather than
+        once they have missed every allowed heartbeat: for when this node's ranks just failed, so that the world
+        is broken anyway and a member that is late is most likely gone. Returns those removed."""
+        with self._heartbeat_lock:
+            for _ in range(3):  # another node may change the state in between: compare-and-set, again
+                self._state_holder._last_sync_time = -1  # a fresh read, not torch's cached one
+                self._state_holder.sync()
+                state = self._state_holder.state
+                if state.round != self.round:
+                    return []
+                now = datetime.now(timezone.utc)
+                late = [node for node in self.members if node != self._this_node and node in state.participants
+                        and now - state.last_heartbeats.get(node, now) > late_after]
+                if not late:
+                    return []
+                for node in late:
+                    del state.participants[node]
+                    state.last_heartbeats.pop(node, None)
+                _remove_participant_epilogue(state, self._settings)
+                self._state_holder.mark_dirty()
+                if self._state_holder.sync():
+                    return late
+        return []
+
     def leave(self) -> None:
         """Leave the rendezvous without closing it: the others go on without this node."""
         self._stop_heartbeats()
@@ -261,15 +380,12 @@ def create_handler(options: LaunchOptions, params: RendezvousParameters) -> Dash
 
 def running_elsewhere(client: MemdClient, job: str, run_id: str) -> bool:
     """Whether nodes of the job's rendezvous are alive now (a heartbeat within the lapse that makes one dead)."""
-    import pickle
-
     found = client.rendezvous_get(job, run_id)
     if found is None:
         return False
     try:
-        state = pickle.loads(found[0])  # written by torch's handler on the job's nodes, which hold the token
-        heartbeats = list(state.last_heartbeats.values())
-    except Exception:  # not a state this torch reads: nothing to protect
+        heartbeats = list(pickle.loads(state_from_wire(found[0])).last_heartbeats.values())
+    except RendezvousStateError:  # not a state this dashrun reads: nothing to protect
         return False
     lapse = timedelta(seconds=RDZV_DEFAULTS["keep_alive_interval"] * RDZV_DEFAULTS["keep_alive_max_attempt"])
     now = datetime.now(timezone.utc)

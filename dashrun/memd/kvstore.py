@@ -2,7 +2,7 @@
 
 The elastic launcher's rendezvous needs a small store for each round's
 bootstrap (who is rank 0, where its TCPStore listens, a few keys a round);
-:mod:`dashrun.launch.elastic` makes a ``torch.distributed.Store`` of these
+:mod:`dashrun.launch.rendezvous` makes a ``torch.distributed.Store`` of these
 requests. The semantics are ``TCPStore``'s: ``get`` and ``wait`` block until
 every key exists (here up to :data:`~dashrun.wire.messages.MAX_STORE_WAIT` per
 request), ``add`` keeps a decimal number as ASCII bytes, ``compare_set`` sets

@@ -2,7 +2,7 @@
 
 torch's ``DynamicRendezvousHandler`` keeps its whole state in a backend that
 offers two calls, ``get_state`` and a conditional ``set_state``; dashrun's
-backend (:mod:`dashrun.launch.elastic`) makes them requests to dash-memd, which
+backend (:mod:`dashrun.launch.rendezvous`) makes them requests to dash-memd, which
 never parses the state. :meth:`RendezvousStates.set` has exactly the contract
 of torch's ``RendezvousBackend.set_state``: it stores the state iff the
 caller's token is the current one (None: iff there is no state yet), and

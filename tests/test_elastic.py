@@ -84,6 +84,22 @@ def runs_of_steps(out: Path) -> dict[int, set[int]]:
     return ran
 
 
+def assert_no_step_twice(out: Path, steps: int) -> None:
+    """Every step of the run ran, each in one world only: nothing redone at a change."""
+    ran = runs_of_steps(out)
+    assert sorted(ran) == list(range(steps))
+    assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice"
+
+
+def assert_redone_at_most(out: Path, steps: int, interval: int, lost_after: int) -> None:
+    """Every step ran; those run twice are at most an interval's, from the lost node's last step back."""
+    ran = runs_of_steps(out)
+    assert sorted(ran) == list(range(steps))
+    redone = [step for step, gens in ran.items() if len(gens) > 1]
+    assert len(redone) <= interval + 1, f"steps {redone} redone: more than the interval"
+    assert all(step <= lost_after + 1 for step in redone), redone
+
+
 def worlds(out: Path) -> list[int]:
     """World sizes (ranks) in the order of the committed history."""
     history = committed_history(out)
@@ -169,9 +185,7 @@ def test_a_notice_on_one_node_of_three_shrinks_the_world_and_loses_no_step(memd,
     assert nodes[2].wait() == PREEMPTED, nodes[2].log()[-3000:]
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
     assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
-    ran = runs_of_steps(out)
-    assert sorted(ran) == list(range(steps))
-    assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice after a notice"
+    assert_no_step_twice(out, steps)
     assert worlds(out) == [3, 2]
     assert "world 3 -> 2: 127.0.0.3 noticed" in nodes[0].log()
     assert_each_sample_once(out)
@@ -195,11 +209,7 @@ def test_the_first_node_killed_outright_the_others_go_on(memd, nodes, tmp_path):
     nodes[0].stop()  # SIGKILL, the launcher's whole session
     assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
     assert nodes[2].wait() == 0, nodes[2].log()[-3000:]
-    ran = runs_of_steps(out)
-    assert sorted(ran) == list(range(steps))
-    redone = [step for step, gens in ran.items() if len(gens) > 1]
-    assert len(redone) <= interval + 1, f"steps {redone} redone: more than the interval"
-    assert all(step <= killed_after + 1 for step in redone)
+    assert_redone_at_most(out, steps, interval, killed_after)
     assert worlds(out) == [3, 2]
     assert "world 3 -> 2: 127.0.0.1 lost" in nodes[1].log() + nodes[2].log()
     assert_each_sample_once(out)
@@ -220,9 +230,7 @@ def test_a_node_that_joins_is_admitted_at_a_checkpoint(memd, nodes, tmp_path):
     for node in nodes:
         assert node.wait() == 0, node.log()[-3000:]
     assert "running on other nodes" in nodes[2].log()
-    ran = runs_of_steps(out)
-    assert sorted(ran) == list(range(steps))
-    assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice when the world grew"
+    assert_no_step_twice(out, steps)
     assert worlds(out) == [2, 3]
     assert "world 2 -> 3: 127.0.0.3 joined" in nodes[0].log()
     assert_each_sample_once(out)
@@ -245,10 +253,8 @@ def test_below_min_the_job_waits_then_resumes_when_a_node_joins(memd, nodes, fak
     nodes.append(Node(memd, job, out, 3, steps, "--cloud", "none"))
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
     assert nodes[2].wait() == 0, nodes[2].log()[-3000:]
-    ran = runs_of_steps(out)
-    assert sorted(ran) == list(range(steps))
-    assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice"
-    assert min(step for step, gens in ran.items() if max(gens) > 0) == stopped_at + 1
+    assert_no_step_twice(out, steps)
+    assert min(step for step, gens in runs_of_steps(out).items() if max(gens) > 0) == stopped_at + 1
     assert_each_sample_once(out)
 
 
@@ -267,10 +273,7 @@ def test_a_node_cut_off_the_network_the_others_go_on(fleet_factory, memd_factory
     fleet[2].link_down()
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
     assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
-    ran = runs_of_steps(out)
-    assert sorted(ran) == list(range(steps))
-    redone = [step for step, gens in ran.items() if len(gens) > 1]
-    assert len(redone) <= interval + 1 and all(step <= cut_after + 1 for step in redone), redone
+    assert_redone_at_most(out, steps, interval, cut_after)
     assert worlds(out) == [3, 2]
     assert f"world 3 -> 2: {fleet[2].address} lost" in nodes[0].log() + nodes[1].log()
     assert_each_sample_once(out)

@@ -45,7 +45,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from dashrun import env
 from dashrun.errors import DashError, ExitCode
 from dashrun.launch.options import LaunchOptions
-from dashrun.launch.rendezvous import DashRendezvousHandler, MemdConnection, MemdStore, create_handler, node_name
+from dashrun.launch.rendezvous import DashRendezvousHandler, MemdConnection, MemdStore, create_handler
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.messages import MembershipEvent
 from dashrun.wire.protocol import Kind
@@ -89,20 +89,22 @@ class DashElasticAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group) -> None:
         super()._rendezvous(worker_group)
         handler: DashRendezvousHandler = worker_group.spec.rdzv_handler
-        nodes = tuple(node_name(node.addr) for node, _ in sorted(handler.members.items(), key=lambda item: item[1]))
+        nodes = tuple(node.addr for node, _ in sorted(handler.members.items(), key=lambda item: item[1]))
         before, self._world = self._world, _World(handler.round, nodes)
-        me = node_name(handler.this_node.addr)
+        me = handler.this_node.addr  # a node is named by its address (a host name by default)
         try:
             self._memd.call(lambda c: c.set_generation(self.options.job_id, handler.round))
         except DashError as e:
             log.warning("could not tell dash-memd the world's generation (%s): a node cut off from this world could "
                         "still commit into it", e)
         self._announce(before, self._world, me)
+        history = self._membership()  # with this round's events
         # What the ranks about to start see (their environment is this process's, taken at their start).
         os.environ[env.ELASTIC.name] = "1"
         os.environ[env.GENERATION.name] = str(handler.round)
-        os.environ[env.MEMBERSHIP.name] = json.dumps({"node": me, "nodes": list(nodes), "generation": handler.round,
-                                                      "history": self._history()})
+        os.environ[env.MEMBERSHIP.name] = json.dumps({
+            "node": me, "nodes": list(nodes), "generation": handler.round,
+            "history": [event.to_body() for event in history[-HISTORY_FOR_RANKS:]]})
 
     def _announce(self, before: _World | None, now: _World, me: str) -> None:
         """One console line per change; each event goes to dash-memd from one node."""
@@ -127,20 +129,15 @@ class DashElasticAgent(LocalElasticAgent):
                     self._record(MembershipEvent(time.time(), node, "died", "stopped heartbeating", len(now.nodes),
                                                  now.generation, step, None))
 
-    def _history(self) -> list[dict]:
-        """The job's newest membership events, for ``Checkpointer.membership``."""
+    def _membership(self) -> list[MembershipEvent]:
+        """The job's membership history in dash-memd, oldest first (empty when it cannot be read now)."""
         try:
-            events = self._memd.call(lambda c: c.membership(self.options.job_id))
+            return self._memd.call(lambda c: c.membership(self.options.job_id))
         except DashError:
             return []
-        return [event.to_body() for event in events[-HISTORY_FOR_RANKS:]]
 
     def _left_by_notice(self, generation: int) -> set[str]:
-        try:
-            history = self._memd.call(lambda c: c.membership(self.options.job_id))
-        except DashError:
-            return set()
-        return {e.node for e in history if e.change == "left" and e.generation == generation}
+        return {e.node for e in self._membership() if e.change == "left" and e.generation == generation}
 
     def _committed_step(self) -> int | None:
         try:
@@ -253,7 +250,7 @@ class DashElasticAgent(LocalElasticAgent):
         """This node's notice ended its ranks: record it and leave, the others go on."""
         step = self._committed_step()
         world = self._world
-        me = node_name(handler.this_node.addr)
+        me = handler.this_node.addr
         if world is not None:
             self._record(MembershipEvent(time.time(), me, "left", "interruption notice", len(world.nodes) - 1,
                                          world.generation, step, 0))

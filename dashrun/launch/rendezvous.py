@@ -46,7 +46,7 @@ from dashrun.wire.memd_client import MemdClient, StoreTimeoutError
 
 __all__ = [
     "BACKEND", "RDZV_DEFAULTS", "DashRendezvousHandler", "MemdConnection", "MemdRendezvousBackend", "MemdStore",
-    "create_handler", "node_name", "use_memd_rendezvous",
+    "create_handler", "use_memd_rendezvous",
 ]
 
 log = logging.getLogger(__name__)
@@ -232,9 +232,6 @@ class MemdStore(dist.Store):
         self._memd = MemdConnection(options, timeout=STORE_GET_SLICE + 30)
         self.set_timeout(timeout)
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self.timeout.total_seconds()
-
     def set(self, key: str, value) -> None:
         self._memd.call(lambda c: c.store_set(self.job, key, _bytes(value)))
 
@@ -245,24 +242,21 @@ class MemdStore(dist.Store):
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        deadline = self._deadline()
-        while True:
-            wait = min(STORE_GET_SLICE, max(0.0, deadline - time.monotonic()))
-            try:
-                return self._memd.call(lambda c: c.store_multi_get(self.job, list(keys), wait))
-            except StoreTimeoutError:
-                if time.monotonic() >= deadline:
-                    raise dist.DistStoreError(f"keys {keys} not set within {self.timeout}") from None
+        return self._until_set(keys, self.timeout, lambda c, wait: c.store_multi_get(self.job, list(keys), wait))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        self._until_set(keys, timeout or self.timeout, lambda c, wait: c.store_wait(self.job, list(keys), wait))
+
+    def _until_set(self, keys: list[str], timeout: timedelta, request: Callable[[MemdClient, float], Any]) -> Any:
+        """A request that dash-memd holds until ``keys`` are set, asked again in slices up to ``timeout``."""
+        deadline = time.monotonic() + timeout.total_seconds()
         while True:
             wait = min(STORE_GET_SLICE, max(0.0, deadline - time.monotonic()))
             try:
-                return self._memd.call(lambda c: c.store_wait(self.job, list(keys), wait))
+                return self._memd.call(lambda c: request(c, wait))
             except StoreTimeoutError:
                 if time.monotonic() >= deadline:
-                    raise dist.DistStoreError(f"keys {keys} not set within {timeout or self.timeout}") from None
+                    raise dist.DistStoreError(f"keys {keys} not set within {timeout}") from None
 
     def add(self, key: str, amount: int) -> int:
         return self._memd.call(lambda c: c.store_add(self.job, key, int(amount)))
@@ -288,11 +282,6 @@ class MemdStore(dist.Store):
 
 def _bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
-
-
-def node_name(addr: str) -> str:
-    """How a node is named on the console and in the membership history: its address (a host name by default)."""
-    return addr
 
 
 class DashRendezvousHandler(DynamicRendezvousHandler):

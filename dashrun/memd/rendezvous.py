@@ -31,16 +31,13 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
-import secrets
 import shutil
 import threading
-import uuid
 from pathlib import Path
 
 from dashrun.errors import NoSpaceError, ProtocolError, UsageError
 from dashrun.util.boundedjson import loads_bounded
-from dashrun.util.files import write_atomic
+from dashrun.util.files import discard_tree, write_atomic
 from dashrun.wire.messages import MAX_RDZV_STATE
 from dashrun.wire.protocol import MAX_STEP, field_b64, field_int, field_run_id, valid_job_id
 
@@ -193,19 +190,13 @@ class RendezvousStates:
         with self._lock:
             runs = self._states.pop(job, {})
             self._bytes -= sum(len(state) for state, _ in runs.values())
-            job_dir = self.root / job
-            trash = self.root / f".trash-{uuid.uuid4().hex[:8]}"
-            try:
-                os.rename(job_dir, trash)
-            except FileNotFoundError:
-                return
-        shutil.rmtree(trash, ignore_errors=True)
+            discard_tree(self.root / job)  # a job's few state files: gone before a new state can be written
 
     def _write(self, job: str, run_id: str, state: bytes, token: int) -> None:
         job_dir = self.root / job
         job_dir.mkdir(parents=True, exist_ok=True)
         body = {"run_id": run_id, "token": token, "state": base64.b64encode(state).decode()}
-        _replace_file(job_dir / f"{run_id}.json", json.dumps(body).encode())
+        write_atomic(job_dir / f"{run_id}.json", json.dumps(body), durable=False)  # why not durable: see above
 
 
 def _read_state(path: Path) -> tuple[bytes, int, str]:
@@ -217,21 +208,3 @@ def _read_state(path: Path) -> tuple[bytes, int, str]:
     if not isinstance(body, dict):
         raise ValueError("not an object")
     return field_b64(body, "state", MAX_RDZV_STATE), field_int(body, "token", 1, MAX_STEP), field_run_id(body)
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    """Replace ``path`` atomically (readers and a restart see the old file or the new one) without fsync: see
-    the module's docstring for why a state file need not be (util.files.write_atomic is the fsynced twin)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -1,4 +1,5 @@
-"""Atomic, durable file writes (temp file, fsync, rename, fsync the directory), and memory mappings."""
+"""Atomic, durable file writes (temp file, fsync, rename, fsync the directory), whole-directory removal, and
+memory mappings."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import fcntl
 import mmap
 import os
 import secrets
+import shutil
+import uuid
 from pathlib import Path
 
-__all__ = ["fsync_dir", "populated", "unmap", "write_atomic", "write_new"]
+__all__ = ["discard_tree", "fsync_dir", "populated", "unmap", "write_atomic", "write_new"]
 
 _CHUNK = 8 << 20
 #: Alignment O_DIRECT asks of addresses, lengths and offsets (the largest logical block size in use).
@@ -40,8 +43,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o600, *,
-              bypass_cache: bool = False) -> None:
-    """Write a file that must not exist yet, and fsync it (not its directory).
+              bypass_cache: bool = False, durable: bool = True) -> None:
+    """Write a file that must not exist yet, and fsync it (not its directory) unless not ``durable``.
 
     ``bypass_cache`` writes the block-aligned bulk with O_DIRECT, for callers
     that keep the bytes in RAM themselves: through the page cache they would
@@ -55,7 +58,8 @@ def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o6
         written = _write_direct(fd, view[:len(view) - len(view) % _BLOCK]) if bypass_cache else 0
         while written < len(view):
             written += os.write(fd, view[written:written + _CHUNK])
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -80,8 +84,11 @@ def _write_direct(fd: int, view: memoryview) -> int:
     return written
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` so that readers see the old file or the new one, never a mix."""
+def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old file or the new one, never a mix.
+
+    ``durable``: fsynced, so that a crash of the machine keeps the new file; without it the rename still
+    survives the writing process dying however it dies (the page cache is the kernel's)."""
     path = Path(path)
     if isinstance(data, str):
         data = data.encode()
@@ -89,9 +96,23 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600) 
     # job at once) or processes must never take over, or rename away, each other's temporary file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
-        write_new(tmp, data, mode)
+        write_new(tmp, data, mode, durable=durable)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def discard_tree(path: str | os.PathLike) -> bool:
+    """Remove the directory ``path`` so that it is gone whole at once: renamed to a ``.trash-`` sibling (which
+    a start-up sweep may remove if this is interrupted), then deleted. False if it did not exist."""
+    path = Path(path)
+    trash = path.with_name(f".trash-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True

@@ -27,7 +27,7 @@ from dashrun.errors import ChecksumError, NotFoundError, ProtocolError
 from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.faults import crash_point
-from dashrun.util.files import fsync_dir, unmap, write_atomic, write_new
+from dashrun.util.files import discard_tree, fsync_dir, unmap, write_atomic, write_new
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c, valid_job_id
 
@@ -260,13 +260,7 @@ class DiskTier(Tier):
         return target
 
     def delete(self, job: str, step: int) -> None:
-        final = self.step_dir(job, step)
-        trash = final.parent / f".trash-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(final, trash)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(trash, ignore_errors=True)
+        discard_tree(self.step_dir(job, step))
 
     def put_spec(self, spec: JobSpec, job: str) -> None:
         job_dir = self._job_dir(job)

@@ -24,10 +24,12 @@ import queue
 import threading
 from typing import Callable, Collection, ContextManager, Iterable, Protocol, Sequence
 
+from dashrun.errors import ProtocolError
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "wanted", "widen_once"]
+__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "pieces", "wanted",
+           "widen_once"]
 
 #: Largest byte range read in one request from dash-memd: small enough to spread one shard over every
 #: stream, large enough that a request's round trip is lost in its transfer.
@@ -55,14 +57,43 @@ class Extent:
 def wanted(info: CheckpointInfo, tails: Sequence[int], ranks: Collection[int] | None) -> list[Extent]:
     """What a node restoring ``info`` needs: every shard's slice of the replicated state, and the tails
     (private state and layout description) of saved rank 0, which describes the replicated state, and of
-    ``ranks``, the node's ranks (None: every saved rank's)."""
+    ``ranks``, the node's ranks (None: every saved rank's).
+
+    Pieces of sharded state (the end of a private part) are left out: each rank reads the ranges of them it
+    needs (:func:`pieces`), from every saved rank's, whose layout descriptions it then needs too.
+    """
+    sharded = any(shard.pieces_len for shard in info.shards)
     extents = []
     for shard, tail in zip(info.shards, tails):
         rep = shard.rep_end - shard.rep_start
         if rep:
             extents.append(Extent(shard.rank, 0, rep, shard.rep_start))
+        own = shard.private_len - shard.pieces_len
         if shard.rank == 0 or ranks is None or shard.rank in ranks:
-            extents.append(Extent(shard.rank, rep, shard.nbytes, tail))
+            if not shard.pieces_len:
+                extents.append(Extent(shard.rank, rep, shard.nbytes, tail))
+                continue
+            if own:
+                extents.append(Extent(shard.rank, rep, rep + own, tail))
+        if sharded:
+            extents.append(Extent(shard.rank, rep + shard.private_len, shard.nbytes, tail + shard.private_len))
+    return extents
+
+
+def pieces(info: CheckpointInfo, tails: Sequence[int], ranges: Iterable[tuple[int, int, int]]) -> list[Extent]:
+    """The extents of ``ranges`` — (saved rank, start, stop) of a private part, as a rank asks for its pieces
+    of sharded state — checked against ``info``."""
+    extents = []
+    for rank, start, stop in ranges:
+        if not 0 <= rank < len(info.shards):
+            raise ProtocolError(f"a range of saved rank {rank}, of a checkpoint saved by {len(info.shards)}")
+        shard = info.shards[rank]
+        if not 0 <= start <= stop <= shard.private_len:
+            raise ProtocolError(f"range [{start}, {stop}) is outside saved rank {rank}'s {shard.private_len} "
+                                "private bytes")
+        if stop > start:
+            rep = shard.rep_end - shard.rep_start
+            extents.append(Extent(rank, rep + start, rep + stop, tails[rank] + start))
     return extents
 
 

@@ -358,14 +358,16 @@ class RankConnection:
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:
             request = RestoreRequest.from_body(body)
-            lease = self.agent.restores.get(request.job, request.step, request.ranks)
+            lease = self.agent.restores.get(request.job, request.step, request.ranks, request.ranges or ())
             if lease is None:
                 self.reply(request_id, RestoreReply(found=False).to_body())
             else:
                 with lease:  # our own descriptor: the cache may drop the image while we send it
                     reply = RestoreReply(found=True, checkpoint=lease.info, tails=tuple(lease.tails))
                     self.reply(request_id, reply.to_body(), fds=[lease.fd])
-                self.agent.restores.handed_out(lease.image, request.local_ranks)
+                # A rank restoring sharded state asks again for its pieces: the image stays for that.
+                if request.ranges is not None or not any(s.pieces_len for s in lease.info.shards):
+                    self.agent.restores.handed_out(lease.image, request.local_ranks)
         except DashError as e:
             self.reply_error(request_id, e)
         except Exception as e:

@@ -27,7 +27,7 @@ import time
 from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, wanted, widen_once
+from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, pieces, wanted, widen_once
 from dashrun.errors import ChecksumError, DashError, NotFoundError
 from dashrun.util.files import unmap
 from dashrun.wire import image
@@ -138,11 +138,13 @@ class RestoreCache:
         self._images: dict[tuple[str, int], RestoreImage] = {}
         self._waiting = 0  # ranks in get(): a fetch meanwhile is what they wait for (guarded by _lock)
 
-    def get(self, job: str, step: int | None, ranks: Collection[int] | None = None) -> Lease | None:
+    def get(self, job: str, step: int | None, ranks: Collection[int] | None = None,
+            ranges: Collection[tuple[int, int, int]] = ()) -> Lease | None:
         """The image of a committed checkpoint (the newest, or ``step``); None if the job has none.
 
         The image holds the replicated state and the private parts of saved rank 0 and of ``ranks``
-        (None: of every saved rank). The caller closes the lease once it has sent the descriptor on.
+        (None: of every saved rank), and ``ranges`` of private parts (see
+        :func:`dashrun.agent.planner.pieces`). The caller closes the lease once it has sent the descriptor on.
 
         A newest checkpoint whose bytes fail their checksum (dash-memd drops
         one that fails in its object tier), or that is gone by the time it is
@@ -152,7 +154,7 @@ class RestoreCache:
         with self._lock:
             self._waiting += 1
         try:
-            return self._get_newest(job, step, ranks)
+            return self._get_newest(job, step, ranks, ranges)
         finally:
             with self._lock:
                 self._waiting -= 1
@@ -161,14 +163,15 @@ class RestoreCache:
         with self._lock:
             return self._waiting > 0
 
-    def _get_newest(self, job: str, step: int | None, ranks: Collection[int] | None) -> Lease | None:
+    def _get_newest(self, job: str, step: int | None, ranks: Collection[int] | None,
+                    ranges: Collection[tuple[int, int, int]] = ()) -> Lease | None:
         with self.clients.client() as client:
             for attempt in range(1, CORRUPT_FALLBACKS + 1):
                 info = client.latest(job, step)
                 if info is None:
                     return None
                 try:
-                    return self._get(info, ranks)
+                    return self._get(info, ranks, ranges)
                 except (ChecksumError, NotFoundError) as e:  # corrupt, or dropped since LATEST answered
                     if step is not None or attempt == CORRUPT_FALLBACKS:
                         raise
@@ -186,7 +189,8 @@ class RestoreCache:
         if lease is not None:
             lease.close()
 
-    def _get(self, info: CheckpointInfo, ranks: Collection[int] | None) -> Lease:
+    def _get(self, info: CheckpointInfo, ranks: Collection[int] | None,
+             ranges: Collection[tuple[int, int, int]] = ()) -> Lease:
         job = info.job
         with self._lock:
             job_lock = self._fetching.setdefault(job, threading.Lock())
@@ -198,12 +202,12 @@ class RestoreCache:
                     lease = Lease(cached, os.dup(cached.fd))
             if lease is not None:
                 try:
-                    self._fill(cached, ranks)  # ranges this rank needs that no rank of the node needed before
+                    self._fill(cached, ranks, ranges)  # ranges this rank needs that no rank of the node needed before
                 except BaseException:
                     lease.close()
                     raise
                 return lease
-            fetched = self._fetch(info, ranks)
+            fetched = self._fetch(info, ranks, ranges)
             with self._lock:
                 old = self._images.pop((job, info.step), None)
                 self._images[(job, info.step)] = fetched
@@ -212,22 +216,25 @@ class RestoreCache:
                 os.close(old.fd)
             return lease
 
-    def _fetch(self, info: CheckpointInfo, ranks: Collection[int] | None) -> RestoreImage:
+    def _fetch(self, info: CheckpointInfo, ranks: Collection[int] | None,
+               ranges: Collection[tuple[int, int, int]] = ()) -> RestoreImage:
         tails, size = image.layout(info)
         fd = os.memfd_create(f"dashrun-restore-{info.job}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, max(size, 1))
             fetched = RestoreImage(info, fd, tails)
-            self._fill(fetched, ranks)
+            self._fill(fetched, ranks, ranges)
         except BaseException:
             os.close(fd)
             raise
         return fetched
 
-    def _fill(self, held: RestoreImage, ranks: Collection[int] | None) -> None:
-        """Read the ranges of ``held`` that ``ranks`` need and it lacks, through the planner."""
+    def _fill(self, held: RestoreImage, ranks: Collection[int] | None,
+              ranges: Collection[tuple[int, int, int]] = ()) -> None:
+        """Read the ranges of ``held`` that ``ranks`` (and ``ranges``) need and it lacks, through the planner."""
         info = held.info
-        missing = [e for e in wanted(info, held.tails, ranks) if e not in held.held]
+        missing = [e for e in wanted(info, held.tails, ranks) + pieces(info, held.tails, ranges)
+                   if e not in held.held]
         if not missing:
             return
         started = time.monotonic()

@@ -1,6 +1,7 @@
 """``dashrun export``: a committed checkpoint as files that plain torch reads.
 
-Both formats hold one dictionary: every replicated object's state under its
+Sharded state (DTensors) is exported whole: each tensor assembled from every rank's pieces, so either
+format loads at any world size. Both formats hold one dictionary: every replicated object's state under its
 keyword (``model``, ``optimizer``, ...), each saved rank's own state under
 ``per_rank["<rank>"]`` (``data``, ``$rng``, ...), and ``dashrun`` = {job,
 step, world}. ``torch`` writes one file for ``torch.load`` (``weights_only``
@@ -20,8 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from dashrun.errors import NotFoundError, UsageError
-from dashrun.rank.restore import decode_private, decode_replicated
+from dashrun.errors import NotFoundError, ProtocolError, UsageError
+from dashrun.rank import sharded, statetree
+from dashrun.rank.restore import decode_private, decode_replicated, saved_pieces
 from dashrun.util.files import fsync_dir
 from dashrun.wire import image
 from dashrun.wire.memd_client import MemdClient
@@ -53,6 +55,14 @@ def fetch_state(client: MemdClient, job: str, step: int | None,
             image.fetch(client, info, view, tails, advance)
         region = torch.frombuffer(mapped, dtype=torch.uint8)
         state = decode_replicated(region, mapped, info, tails, copy=True)
+        described = image.meta(mapped, info, tails, 0)["replicated"].get("sharded")
+        if described:  # each sharded tensor whole, from every rank's pieces
+            full = sharded.assemble(described, saved_pieces(mapped, info, tails, described), region, tails)
+            for path, placeholder in list(sharded.sharded_paths(state, statetree.Sharded)):
+                if not 0 <= placeholder.index < len(full):
+                    raise ProtocolError(f"checkpoint of step {info.step} names sharded leaf {placeholder.index} "
+                                        f"of {len(full)}")
+                state = sharded.replace(state, path, full[placeholder.index])
         state["per_rank"] = {str(r): decode_private(region, mapped, info, tails, r) for r in range(info.world)}
         del region
     state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}

@@ -52,6 +52,7 @@ import torch
 
 from dashrun import env
 from dashrun.errors import DashError, ExitCode, UsageError
+from dashrun.rank import sharded
 from dashrun.rank.notices import Agreement, NoticeBoard, in_process_group
 from dashrun.rank.restore import restore_state
 from dashrun.rank.snapshot import SaveStats, Snapshot, capture
@@ -122,6 +123,8 @@ class Checkpointer:
         #: the interval after an early warning (rebalance recommendation, maintenance) reached any rank
         self.early_interval = early_interval or max(1, interval // 4)
         self.objects = objects
+        # Optimizers of DTensor parameters, with their modules: saved by parameter name (dashrun.rank.sharded).
+        self._owners = sharded.owners(objects)
         # An ElasticSampler's position is the job's, not the rank's: replicated even under a per_rank name.
         self.per_rank = frozenset(name for name in per_rank if name in objects and not _job_wide(objects[name]))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -130,6 +133,8 @@ class Checkpointer:
         self.local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
         self.job_id = job_id or env.get(env.JOB_ID)
         self.stats = SaveStats()
+        #: The last restore's bytes of sharded state this rank needed and had read (``sharded_needed``/``_read``).
+        self.restore_stats: dict[str, int] = {}
         self.preempted = False
         #: The job's world may change under dashrun (``--nnodes MIN:MAX`` with ``--memd``): when another node goes
         #: away or joins, this rank checkpoints and is started again at the new world size.
@@ -204,7 +209,8 @@ class Checkpointer:
         buffer_index = self._stager.reserve(wait=wait_for_buffer)
         if buffer_index is None:
             return self._skip(step)
-        snapshot = capture(step, buffer_index, self.objects, self.per_rank, rank=self.rank, emergency=emergency)
+        snapshot = capture(step, buffer_index, self.objects, self.per_rank, rank=self.rank, emergency=emergency,
+                           owners=self._owners)
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1
@@ -297,6 +303,7 @@ class Checkpointer:
             return 0
         info = restore_state(self._link, job_id=self.job_id, rank=self.rank, world=self.world,
                              local_world=self.local_world, objects=self.objects, per_rank=self.per_rank,
+                             owners=self._owners, stats=self.restore_stats,
                              on_wait=lambda message: self._problem("restore", message), local_rank=self.local_rank)
         if info is None:
             return 0

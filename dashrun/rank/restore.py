@@ -15,6 +15,7 @@ rank 0's (every rank of a node has every saved rank's part in the image).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import random
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dashrun.errors import ProtocolError, UnavailableError, UsageError
-from dashrun.rank import statetree
+from dashrun.rank import sharded, statetree
 from dashrun.rank.notices import in_process_group
 from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
@@ -38,7 +39,7 @@ from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.protocol import Kind
 
 __all__ = ["RESTORE_TIMEOUT", "agree", "decode_private", "decode_replicated", "fetch", "load", "report_world_change",
-           "restore_rng", "restore_state"]
+           "restore_rng", "restore_state", "saved_pieces"]
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,14 @@ def agree(step: int) -> int:
 
 def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_world: int,
                   objects: Mapping[str, Any], per_rank: Collection[str],
-                  on_wait: Callable[[str], None], local_rank: int | None = None) -> CheckpointInfo | None:
+                  on_wait: Callable[[str], None], local_rank: int | None = None,
+                  owners: Mapping[str, torch.nn.Module] | None = None,
+                  stats: dict[str, int] | None = None) -> CheckpointInfo | None:
     """Load the newest checkpoint of ``job_id`` every rank has into ``objects``; None if there is none.
 
     The node's ranks are taken to be numbered in a row (torchrun's LOCAL_RANK); unknown (None), the node's
-    image holds every saved rank's private state.
+    image holds every saved rank's private state. Pieces of sharded state are asked for by byte range once
+    this rank knows which it needs; ``stats`` (if given) is told the bytes of them needed and read.
     """
     first_rank = rank - local_rank if local_rank is not None and 0 <= local_rank <= rank else None
     reply, frame = fetch(link, RestoreRequest(job_id, None, local_world, first_rank), on_wait)
@@ -142,22 +146,41 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
     if not reply.found:
         log.info("dashrun: no checkpoint of job %s yet: starting from step 0", job_id)
         return None
+    step = reply.checkpoint.step
+
+    def read_pieces(ranges: list[tuple[int, int, int]]) -> int:
+        """The image again, with ``ranges`` of saved ranks' private parts in place (a descriptor to close)."""
+        more, again = fetch(link, RestoreRequest(job_id, step, local_world, first_rank, tuple(ranges)), on_wait)
+        if not more.found or more.checkpoint.committed_at != reply.checkpoint.committed_at:
+            again.close_fds()
+            raise UnavailableError(f"checkpoint of step {step} went away while it was restored",
+                                   hint="run again: it restores the newest checkpoint then")
+        return again.fds[0]
+
     try:
-        load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world)
+        load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world, owners=owners,
+             read_pieces=read_pieces, stats=stats)
     finally:
         frame.close_fds()
     return reply.checkpoint
 
 
 def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
-         job_id: str, rank: int, world: int) -> None:
+         job_id: str, rank: int, world: int, owners: Mapping[str, torch.nn.Module] | None = None,
+         read_pieces: Callable[[list[tuple[int, int, int]]], int] | None = None,
+         stats: dict[str, int] | None = None) -> None:
     """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states.
 
     Module parameters and buffers are copied into the module's own (already allocated) tensors. Other
     state (an optimizer's, a scheduler's) is not copied on the host: its tensors map the image
     copy-on-write, as ``torch.load(mmap=True)`` maps a file, and a page is copied only when training first
     writes it. On a GPU, the image is pinned while it is copied to the device on a side stream.
+
+    Sharded state (DTensors) is resharded: this rank's tensors say which pieces of the global tensors it holds
+    now, ``read_pieces(ranges)`` makes the agent read those byte ranges of the saved pieces into the image
+    (returning a descriptor of it), and they are copied into place (see :mod:`dashrun.rank.sharded`).
     """
+    owners = owners or {}
     info, tails = reply.checkpoint, reply.tails
     size = os.fstat(fd).st_size
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
@@ -171,18 +194,104 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
         if name not in per_rank and name not in replicated:
             raise UsageError(f"checkpoint of step {info.step} has no state for {name}=",
                              hint="pass the same keyword objects to Checkpointer as the run that saved it")
+    rep = image.meta(mapped, info, tails, 0)["replicated"]
+    if rep.get("sharded"):
+        _reshard(rep["sharded"], replicated, mapped, info, tails, objects, per_rank, owners, read_pieces, stats)
     with _pinned_copies(region, _device_of(objects)):
         for name, obj in objects.items():
             if name in per_rank:
                 if private is not None and name in private:
                     obj.load_state_dict(private[name])
             else:  # a module copies into its parameters; an optimizer moves its state to theirs
-                obj.load_state_dict(replicated[name])
+                sharded.load_state(obj, owners.get(name), replicated[name])
     if private is not None:
         restore_rng(private.get("$rng", {}))
     del replicated, region
     log.info("dashrun: restored job %s step %d (%d bytes, saved by %d ranks)", job_id, info.step,
              info.nbytes, info.world)
+
+
+def saved_pieces(mapped, info: CheckpointInfo, tails: Sequence[int],
+                 described: Sequence[Any]) -> dict[int, list[sharded.SavedPiece]]:
+    """Every saved rank's pieces of sharded state, by leaf, each checked against the shard that holds it."""
+    found: dict[int, list[sharded.SavedPiece]] = {}
+    for shard in info.shards:
+        entries = image.meta(mapped, info, tails, shard.rank)["private"].get("pieces", [])
+        start = shard.private_len - shard.pieces_len
+        for entry in entries if isinstance(entries, list) else [None]:
+            try:
+                index, offsets, sizes, at = entry
+                dtype_name, shape = described[index]
+                itemsize = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+                valid = (len(offsets) == len(sizes) == len(shape) and start <= at
+                         and at + math.prod(sizes) * itemsize <= shard.private_len
+                         and all(0 <= o and 0 < n and o + n <= d for o, n, d in zip(offsets, sizes, shape)))
+            except (TypeError, ValueError, IndexError, AttributeError):
+                valid = False
+            if not valid:
+                raise ProtocolError(f"saved rank {shard.rank}'s description of its sharded state is malformed")
+            found.setdefault(index, []).append(sharded.SavedPiece(shard.rank, tuple(offsets), tuple(sizes), at))
+    return found
+
+
+def _reshard(described: Sequence[Any], replicated: dict[str, Any], mapped, info: CheckpointInfo,
+             tails: Sequence[int], objects: Mapping[str, Any], per_rank: Collection[str],
+             owners: Mapping[str, torch.nn.Module], read_pieces, stats: dict[str, int] | None) -> None:
+    """Fill this rank's DTensors from the saved pieces they overlap, in place of the placeholders in
+    ``replicated``; only the byte ranges needed are read."""
+    saved = saved_pieces(mapped, info, tails, described)
+    reads: list[sharded.Read] = []
+    needed = 0
+    for name, tree in replicated.items():
+        if name in per_rank or name not in objects:
+            continue
+        places = list(sharded.sharded_paths(tree, statetree.Sharded))
+        if not places:
+            continue
+        target = sharded.target_state(objects[name], owners.get(name))
+        for path, placeholder in places:
+            if not 0 <= placeholder.index < len(described):
+                raise ProtocolError(f"checkpoint of step {info.step} names sharded leaf {placeholder.index} of "
+                                    f"{len(described)}")
+            here = sharded.lookup(target, path)
+            reads += sharded.plan_reads(sharded.dotted(name, path), described[placeholder.index],
+                                        saved.get(placeholder.index, []), here)
+            needed += sharded.local_of(here).numel() * here.element_size()
+            tree = sharded.replace(tree, path, here)
+        replicated[name] = tree
+    wanted: dict[int, list[tuple[int, int]]] = {}
+    for read in reads:
+        wanted.setdefault(read.piece.rank, []).extend(read.runs())
+    ranges = [(r, start, stop) for r, runs in sorted(wanted.items()) for start, stop in _joined(runs)]
+    if read_pieces is None:  # the image holds every piece already (an export)
+        fd = None
+    else:
+        fd = read_pieces(ranges)
+    try:
+        size = os.fstat(fd).st_size if fd is not None else len(mapped)
+        view = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE) if fd is not None else mapped
+        region = torch.frombuffer(view, dtype=torch.uint8)
+        for read in reads:
+            start = tails[read.piece.rank] + read.piece.at
+            read.copy(region[start:start + math.prod(read.piece.sizes) * read.dest.element_size()])
+        del region
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if stats is not None:
+        stats["sharded_needed"] = needed
+        stats["sharded_read"] = sum(stop - start for _, start, stop in ranges)
+
+
+def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``runs`` sorted, with those that overlap or touch joined."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(runs):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 def _populate(mapped: mmap.mmap, nbytes: int) -> None:

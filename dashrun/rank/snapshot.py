@@ -33,7 +33,7 @@ from typing import Any, Collection, Mapping
 
 import torch
 
-from dashrun.rank import statetree
+from dashrun.rank import sharded, statetree
 from dashrun.util.files import unmap
 from dashrun.wire.messages import ShardHeader
 
@@ -93,6 +93,10 @@ class Snapshot:
     rep_leaves: list[Any]
     priv_tree: Any
     priv_leaves: list[Any]
+    # Sharded state (DTensors): every rank's description of each leaf, this rank's pieces and their tensors.
+    sharded: list[list[Any]] = dataclasses.field(default_factory=list)
+    pieces: list[sharded.Piece] = dataclasses.field(default_factory=list)
+    piece_leaves: list[Any] = dataclasses.field(default_factory=list)
     header: ShardHeader | None = None
     buffer: SharedBuffer | None = None
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -124,9 +128,9 @@ def stable_storages(objects: Mapping[str, Any]) -> set[int]:
     for obj in objects.values():
         if isinstance(obj, torch.optim.Optimizer):
             for group in obj.param_groups:
-                stable.update(p.untyped_storage().data_ptr() for p in group["params"])
+                stable.update(sharded.local_of(p).untyped_storage().data_ptr() for p in group["params"])
             for per_param in obj.state.values():
-                stable.update(t.untyped_storage().data_ptr() for t in per_param.values()
+                stable.update(sharded.local_of(t).untyped_storage().data_ptr() for t in per_param.values()
                               if isinstance(t, torch.Tensor))
     stable.discard(0)
     return stable
@@ -159,13 +163,16 @@ def _split_buffers(module: torch.nn.Module, state: dict[str, Any]) -> tuple[dict
 
 
 def capture(step: int, buffer_index: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
-            rank: int = 0, emergency: bool = False) -> Snapshot:
-    """The synchronous part of save(): state dicts, RNG, and private copies of what may change soon."""
+            rank: int = 0, emergency: bool = False, owners: Mapping[str, torch.nn.Module] | None = None) -> Snapshot:
+    """The synchronous part of save(): state dicts, RNG, and private copies of what may change soon.
+
+    ``owners`` maps an optimizer of DTensor parameters to their module (see :func:`dashrun.rank.sharded.owners`).
+    """
     replicated, buffers = {}, {}
     for name, obj in objects.items():
         if name in per_rank:
             continue
-        state = obj.state_dict()
+        state = sharded.state_dict_of(obj, (owners or {}).get(name))
         if isinstance(obj, torch.nn.Module):
             state, held = _split_buffers(obj, state)
             if held and (rank == 0 or buffers_per_rank(obj)):
@@ -175,8 +182,10 @@ def capture(step: int, buffer_index: int, objects: Mapping[str, Any], per_rank: 
     if buffers:
         private[BUFFERS] = buffers
     private["$rng"] = capture_rng()
-    rep_tree, rep_leaves = statetree.flatten(replicated)
+    dtensors: list[Any] = []
+    rep_tree, rep_leaves = statetree.flatten(replicated, dtensors)
     priv_tree, priv_leaves = statetree.flatten(private)
+    described, pieces, piece_leaves = sharded.local_pieces(dtensors) if dtensors else ([], [], [])
     stable = stable_storages(objects)
 
     def settled(leaf):  # module buffers change in forward, for example: copy them now
@@ -185,8 +194,10 @@ def capture(step: int, buffer_index: int, objects: Mapping[str, Any], per_rank: 
         return leaf
 
     snapshot = Snapshot(step, buffer_index, rep_tree, [settled(x) for x in rep_leaves],
-                        priv_tree, [settled(x) for x in priv_leaves], emergency=emergency)
-    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in (*snapshot.rep_leaves, *snapshot.priv_leaves)):
+                        priv_tree, [settled(x) for x in priv_leaves], described, pieces,
+                        [settled(x) for x in piece_leaves], emergency=emergency)
+    leaves = (*snapshot.rep_leaves, *snapshot.priv_leaves, *snapshot.piece_leaves)
+    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves):
         # The side stream starts after the optimizer step that produced this state.
         snapshot.gpu_done = torch.cuda.Event()
         snapshot.gpu_ready = torch.cuda.Event()

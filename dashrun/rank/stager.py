@@ -213,14 +213,24 @@ class Stager:
         rep_offsets, rep_total = statetree.plan(snapshot.rep_leaves)
         rep_desc = {"tree": snapshot.rep_tree, "tensors": statetree.describe(snapshot.rep_leaves, rep_offsets),
                     "total": rep_total}
+        if snapshot.sharded:
+            rep_desc["sharded"] = snapshot.sharded
         # Keys in their order, never sorted: state dicts are ordered, and restore gives them back as they were.
         rep_json = json.dumps(rep_desc, separators=(",", ":")).encode()
-        priv_offsets, priv_len = statetree.plan(snapshot.priv_leaves)
+        priv_offsets, own_len = statetree.plan(snapshot.priv_leaves)
+        # This rank's pieces of sharded state close its private part, so a restore can leave them out of what
+        # every node fetches and read only the ranges it needs (see dashrun.rank.sharded).
+        piece_offsets, pieces_len = statetree.plan(snapshot.piece_leaves)
+        piece_offsets = [own_len + offset for offset in piece_offsets]
+        priv_len = own_len + pieces_len
+        private = {"tree": snapshot.priv_tree, "tensors": statetree.describe(snapshot.priv_leaves, priv_offsets)}
+        if snapshot.pieces:
+            private["pieces"] = [[p.index, list(p.offsets), list(p.sizes), at]
+                                 for p, at in zip(snapshot.pieces, piece_offsets)]
         # Every rank holds the same description of the replicated state; rank 0 carries it.
         meta = json.dumps({
             "format": META_FORMAT, "step": snapshot.step, "rank": self.rank, "world": self.world,
-            "replicated": None,
-            "private": {"tree": snapshot.priv_tree, "tensors": statetree.describe(snapshot.priv_leaves, priv_offsets)},
+            "replicated": None, "private": private,
         }, separators=(",", ":")).encode()
         if self.rank == 0:
             meta = meta.replace(b'"replicated":null', b'"replicated":' + rep_json, 1)
@@ -229,7 +239,7 @@ class Stager:
         snapshot.header = ShardHeader(
             job=self.job_id, step=snapshot.step, rank=self.rank, world=self.world, rep_total=rep_total,
             rep_start=rep_start, rep_end=rep_end, private_len=priv_len, meta_len=len(meta),
-            layout=hashlib.sha256(rep_json).hexdigest(), generation=self.generation)
+            layout=hashlib.sha256(rep_json).hexdigest(), generation=self.generation, pieces_len=pieces_len)
         with self._cond:
             snapshot.buffer = self._buffer(snapshot.buffer_index, snapshot.header.nbytes)
         snapshot.buffer.write(rep_len + priv_len, meta)
@@ -240,7 +250,7 @@ class Stager:
             # Pieces, so that the agent can start streaming before a big tensor is copied whole.
             for piece in range(first, end, PIECE):
                 copies.append((leaf, piece - offset, min(piece + PIECE, end) - offset, piece - rep_start))
-        for leaf, offset in zip(snapshot.priv_leaves, priv_offsets):
+        for leaf, offset in zip([*snapshot.priv_leaves, *snapshot.piece_leaves], [*priv_offsets, *piece_offsets]):
             copies.append((leaf, 0, statetree.nbytes_of(leaf), rep_len + offset))
         return copies
 

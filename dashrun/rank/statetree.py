@@ -24,7 +24,8 @@ import torch
 
 from dashrun.errors import UsageError
 
-__all__ = ["ALIGN", "align", "byte_view", "describe", "flatten", "materialize", "nbytes_of", "plan", "unflatten"]
+__all__ = ["ALIGN", "Sharded", "align", "byte_view", "describe", "flatten", "materialize", "nbytes_of", "plan",
+           "unflatten"]
 
 #: Every leaf starts at a multiple of this many bytes (a cache line), in the region and in each rank's slice.
 ALIGN = 64
@@ -44,10 +45,26 @@ def _tensor_key(t: torch.Tensor) -> tuple:
             t.device)
 
 
-def flatten(tree: Any) -> tuple[Any, list[Any]]:
-    """(skeleton, leaves): leaves are torch tensors and numpy arrays, deduplicated by identity of memory."""
+class Sharded:
+    """Where a restored tree had a DTensor: sharded leaf ``index`` (see :mod:`dashrun.rank.sharded`)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Sharded({self.index})"
+
+
+def flatten(tree: Any, sharded: list[Any] | None = None) -> tuple[Any, list[Any]]:
+    """(skeleton, leaves): leaves are torch tensors and numpy arrays, deduplicated by identity of memory.
+
+    DTensors go to ``sharded`` (deduplicated alike) as ``{"$S": index}``; without it they are refused.
+    """
     leaves: list[Any] = []
     seen: dict[Any, int] = {}
+    seen_sharded: dict[Any, int] = {}
 
     def leaf(value: Any, key: Any) -> int:
         index = seen.get(key)
@@ -64,6 +81,14 @@ def flatten(tree: Any) -> tuple[Any, list[Any]]:
         if isinstance(node, float):
             return node if math.isfinite(node) else {"$f": repr(node)}
         if isinstance(node, torch.Tensor):
+            if sharded is not None and type(node).__name__ == "DTensor":
+                local = node._local_tensor
+                key = _tensor_key(local) if local.numel() else ("empty", id(node))
+                index = seen_sharded.get(key)
+                if index is None:
+                    index = seen_sharded[key] = len(sharded)
+                    sharded.append(node)
+                return {"$S": index}
             if node.layout != torch.strided or node.is_quantized or type(node) not in (torch.Tensor,
                                                                                       torch.nn.Parameter):
                 raise UsageError(f"cannot checkpoint {path}: {type(node).__name__} with layout {node.layout}",
@@ -107,6 +132,8 @@ def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
             (tag, value), = node.items()
             if tag == "$T" or tag == "$N":
                 return leaves[value]
+            if tag == "$S":
+                return Sharded(value)
             if tag == "$f":
                 return float(value)
             if tag == "$t":

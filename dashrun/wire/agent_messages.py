@@ -35,11 +35,13 @@ from dashrun.wire.protocol import (
     field_step,
 )
 
-__all__ = ["MAX_WAIT", "Progress", "RestoreReply", "RestoreRequest", "SnapshotReply", "SnapshotRequest",
+__all__ = ["MAX_RANGES", "MAX_WAIT", "Progress", "RestoreReply", "RestoreRequest", "SnapshotReply", "SnapshotRequest",
            "WaitReply", "WaitRequest"]
 
 #: Longest a WAIT may block.
 MAX_WAIT = 3600.0
+#: Most byte ranges one RESTORE may ask for besides the node's parts.
+MAX_RANGES = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,26 +124,47 @@ class Progress:
 class RestoreRequest:
     """Fetch the newest committed checkpoint of ``job`` (or ``step``) into shared memory for the node's
     ``local_ranks`` ranks: the node downloads it once however many ranks map it. The node's ranks are
-    ``first_rank`` and the ``local_ranks - 1`` after it (None: unknown, every saved rank's part is fetched)."""
+    ``first_rank`` and the ``local_ranks - 1`` after it (None: unknown, every saved rank's part is fetched).
+
+    ``ranges``: byte ranges ``(saved rank, start, stop)`` of saved ranks' private parts that the rank needs
+    besides, read into their place in the same image: its pieces of sharded state. A rank restoring sharded
+    state asks twice, the second time with its ranges (perhaps none); None: not such a second request.
+    """
 
     job: str
     step: int | None = None
     local_ranks: int = 1
     first_rank: int | None = None
+    ranges: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def ranks(self) -> range | None:
         return None if self.first_rank is None else range(self.first_rank, self.first_rank + self.local_ranks)
 
     def to_body(self) -> dict[str, Any]:
-        return {"job": self.job, "step": self.step, "local_ranks": self.local_ranks, "first_rank": self.first_rank}
+        body = {"job": self.job, "step": self.step, "local_ranks": self.local_ranks, "first_rank": self.first_rank}
+        if self.ranges is not None:
+            body["ranges"] = [list(r) for r in self.ranges]
+        return body
 
     @classmethod
     def from_body(cls, body: dict) -> RestoreRequest:
         first = body.get("first_rank")
+        raw = body.get("ranges")
+        if raw is not None and (not isinstance(raw, list) or len(raw) > MAX_RANGES):
+            raise ProtocolError(f"field 'ranges' must be a list of at most {MAX_RANGES} ranges")
+        ranges = None if raw is None else []
+        for item in raw or ():
+            if not (isinstance(item, list) and len(item) == 3):
+                raise ProtocolError("a range is [rank, start, stop]")
+            rank, start, stop = (field_int({"range": v}, "range") for v in item)
+            if rank >= MAX_WORLD or stop < start:
+                raise ProtocolError("a range is [rank, start, stop] with start <= stop")
+            ranges.append((rank, start, stop))
         return cls(job=field_job(body), step=field_step(body) if body.get("step") is not None else None,
                    local_ranks=field_int(body, "local_ranks", 1, MAX_WORLD, default=1),
-                   first_rank=None if first is None else field_int(body, "first_rank", 0, MAX_WORLD))
+                   first_rank=None if first is None else field_int(body, "first_rank", 0, MAX_WORLD),
+                   ranges=None if ranges is None else tuple(ranges))
 
 
 @dataclasses.dataclass(frozen=True)

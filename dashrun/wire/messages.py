@@ -62,6 +62,10 @@ class ShardHeader:
     (elastic jobs; 0: not fenced, as from dashrun before elastic jobs):
     dash-memd refuses a shard of a generation older than the job's, so a
     node cut off from the others cannot commit into the new world.
+
+    ``pieces_len``: the last bytes of the private part hold the rank's pieces
+    of sharded state (DTensors), which a restore reads by byte range rather
+    than whole (see :mod:`dashrun.rank.sharded`).
     """
 
     job: str
@@ -76,6 +80,7 @@ class ShardHeader:
     layout: str
     crc: int = 0  # CRC-32C of the shard's bytes; 0 until they are verified
     generation: int = 0
+    pieces_len: int = 0  # the last bytes of the private part: the rank's pieces of sharded state
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +94,7 @@ class ShardHeader:
         world = field_int(body, "world", 1, MAX_WORLD)
         rep_total = field_int(body, "rep_total")
         rep_start = field_int(body, "rep_start", 0, rep_total)
+        private_len = field_int(body, "private_len")
         header = cls(
             job=field_job(body),
             step=field_step(body),
@@ -97,11 +103,12 @@ class ShardHeader:
             rep_total=rep_total,
             rep_start=rep_start,
             rep_end=field_int(body, "rep_end", rep_start, rep_total),
-            private_len=field_int(body, "private_len"),
+            private_len=private_len,
             meta_len=field_int(body, "meta_len", 0, MAX_BODY * 16),
             layout=field_str(body, "layout", 64, HEX_DIGEST),
             crc=field_int(body, "crc", 0, 0xFFFFFFFF, default=0),
             generation=field_int(body, "generation", 0, MAX_STEP, default=0),
+            pieces_len=field_int(body, "pieces_len", 0, private_len, default=0),
         )
         if header.nbytes > MAX_BYTES:
             raise ProtocolError("shard too large")

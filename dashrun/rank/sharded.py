@@ -64,21 +64,37 @@ def local_pieces(leaves: Sequence[Any]) -> tuple[list[list[Any]], list[Piece], l
     described, pieces, tensors = [], [], []
     for index, leaf in enumerate(leaves):
         described.append([str(leaf.dtype).removeprefix("torch."), list(leaf.shape)])
-        coordinate = leaf.device_mesh.get_coordinate()
-        if coordinate is None:  # this rank is not in the leaf's mesh
-            continue
-        if any(c != 0 for c, p in zip(coordinate, leaf.placements) if p.is_replicate() or p.is_partial()):
-            continue  # a replica: coordinate 0 of that mesh dimension saves it
-        local = leaf.to_local()
-        for chunk in leaf.__create_chunk_list__():
-            if math.prod(chunk.sizes) == 0:  # an uneven split leaves some ranks nothing
-                continue
-            if tuple(chunk.sizes) != tuple(local.shape):
+        local = leaf._local_tensor  # (to_local() is an autograd function: slower, and the same tensor here)
+        for offsets, sizes in _saved_chunks(leaf):
+            if sizes != tuple(local.shape):
                 raise UsageError(f"cannot checkpoint a DTensor whose local piece {tuple(local.shape)} is not its "
-                                 f"chunk {tuple(chunk.sizes)}", hint="dashrun saves one piece per rank")
-            pieces.append(Piece(index, tuple(chunk.offsets), tuple(chunk.sizes)))
+                                 f"chunk {sizes}", hint="dashrun saves one piece per rank")
+            pieces.append(Piece(index, offsets, sizes))
             tensors.append(local)
     return described, pieces, tensors
+
+
+#: (mesh, placements, global shape) -> the chunks this rank saves of such a DTensor: a save asks for every
+#: leaf, and torch's answer, the same each time, costs about as much as the rest of capturing it.
+_chunk_cache: dict[tuple, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+
+
+def _saved_chunks(leaf: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of each chunk of ``leaf`` this rank saves: none where it is not in the leaf's mesh,
+    where it holds a replica (coordinate 0 of a replicated mesh dimension saves it) or an empty piece."""
+    key = (leaf.device_mesh, tuple(leaf.placements), tuple(leaf.shape))
+    chunks = _chunk_cache.get(key)
+    if chunks is None:
+        chunks = []
+        coordinate = leaf.device_mesh.get_coordinate()
+        if coordinate is not None and not any(c != 0 for c, p in zip(coordinate, leaf.placements)
+                                              if p.is_replicate() or p.is_partial()):
+            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in leaf.__create_chunk_list__()
+                      if math.prod(c.sizes)]  # an uneven split leaves some ranks nothing
+        if len(_chunk_cache) > 4096:  # meshes come and go (an elastic restart makes new ones): forget old ones
+            _chunk_cache.clear()
+        _chunk_cache[key] = chunks
+    return chunks
 
 
 # --- which state a sharded object saves --------------------------------------------------------------------

@@ -133,3 +133,58 @@ def test_a_restore_request_carries_its_ranges_and_an_empty_list_is_not_none():
     assert RestoreRequest.from_body(request.to_body()) == request
     assert RestoreRequest.from_body(RestoreRequest("j", 4, ranges=()).to_body()).ranges == ()
     assert RestoreRequest.from_body(RestoreRequest("j", 4).to_body()).ranges is None
+
+
+@pytest.fixture
+def fake_world():
+    """A process group of ``world`` ranks in which this process is ``rank`` (torch's fake backend: no peers)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def join(rank: int, world: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def dtensor(mesh_shape: tuple[int, ...], placements: list, shape: list[int]):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return DTensor.from_local(torch.randn(local_shape), mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape).stride())
+
+
+@pytest.mark.parametrize("rank, saves", [(0, [((0, 0), (3, 4))]), (1, [((3, 0), (3, 4))]), (2, []), (3, [])])
+def test_a_piece_replicated_over_a_mesh_dimension_is_saved_by_its_coordinate_0_only(fake_world, rank, saves):
+    from torch.distributed.tensor import Replicate, Shard
+
+    fake_world(rank, 4)
+    leaf = dtensor((2, 2), [Replicate(), Shard(0)], [6, 4])  # HSDP: replica groups of two shards
+    described, pieces_, tensors = sharded.local_pieces([leaf])
+    assert described == [["float32", [6, 4]]]
+    assert [(p.offsets, p.sizes) for p in pieces_] == saves
+    assert all(t is leaf._local_tensor for t in tensors)
+
+
+def test_an_uneven_split_leaves_the_last_rank_no_piece_to_save(fake_world):
+    from torch.distributed.tensor import Shard
+
+    fake_world(3, 4)
+    leaf = dtensor((4,), [Shard(0)], [3, 5])  # torch.chunk: 1, 1, 1 and nothing
+    assert sharded.local_pieces([leaf])[1] == []
+
+
+def test_a_dtensor_in_per_rank_state_is_refused_with_its_path(fake_world):
+    from torch.distributed.tensor import Shard
+
+    fake_world(0, 2)
+    leaf = dtensor((2,), [Shard(0)], [4, 2])
+    with pytest.raises(UsageError, match=r"state\.data\.w: DTensor"):
+        statetree.flatten({"data": {"w": leaf}})
+    skeleton, leaves = statetree.flatten({"m": {"w": leaf, "v": leaf}}, found := [])
+    assert skeleton == {"m": {"w": {"$S": 0}, "v": {"$S": 0}}} and found == [leaf] and leaves == []

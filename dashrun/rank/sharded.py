@@ -74,7 +74,7 @@ def local_pieces(leaves: Sequence[Any]) -> tuple[list[list[Any]], list[Piece], l
     return described, pieces, tensors
 
 
-#: (mesh, placements, global shape) -> the chunks this rank saves of such a DTensor: a save asks for every
+#: (mesh, rank, placements, global shape) -> the chunks this rank saves of such a DTensor: a save asks for every
 #: leaf, and torch's answer, the same each time, costs about as much as the rest of capturing it.
 _chunk_cache: dict[tuple, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
@@ -82,11 +82,12 @@ _chunk_cache: dict[tuple, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 def _saved_chunks(leaf: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, sizes) of each chunk of ``leaf`` this rank saves: none where it is not in the leaf's mesh,
     where it holds a replica (coordinate 0 of a replicated mesh dimension saves it) or an empty piece."""
-    key = (leaf.device_mesh, tuple(leaf.placements), tuple(leaf.shape))
+    mesh = leaf.device_mesh
+    key = (mesh, mesh.get_rank(), tuple(leaf.placements), tuple(leaf.shape))  # meshes are equal by layout
     chunks = _chunk_cache.get(key)
     if chunks is None:
         chunks = []
-        coordinate = leaf.device_mesh.get_coordinate()
+        coordinate = mesh.get_coordinate()
         if coordinate is not None and not any(c != 0 for c, p in zip(coordinate, leaf.placements)
                                               if p.is_replicate() or p.is_partial()):
             chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in leaf.__create_chunk_list__()

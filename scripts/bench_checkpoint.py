@@ -49,9 +49,16 @@ Figures per variant:
   RAM and until it is on disk (``MemdClient.wait`` from helper threads), and
   the CPU time dash-agent, dash-memd and the rank's staging thread spent.
 
+``--fsdp``: the same MLP sharded with FSDP2 (``fully_shard``) over 2 rank processes
+(gloo), against ``torch.distributed.checkpoint.save`` and DCP ``async_save`` of what an
+FSDP2 job hands DCP (``get_model_state_dict``/``get_optimizer_state_dict``), in the same
+interleaved run: stall per checkpoint per GiB of a rank's state (the slowest rank's),
+added training time per checkpoint and their ratios (see ``run_fsdp``).
+
 Usage::
 
     python3 scripts/bench_checkpoint.py [--size-mib 256] [--steps 80] [--interval 10] [--json OUT]
+    python3 scripts/bench_checkpoint.py --fsdp [--size-mib 256] [--steps 80] [--interval 10] [--json OUT]
 """
 
 from __future__ import annotations
@@ -497,9 +504,13 @@ class TorchSave(Variant):
 class DcpAsyncSave(Variant):
     key = "dcp"
 
-    def __init__(self, model, optimizer, interval: int, directory: Path):
+    def __init__(self, model, optimizer, interval: int, directory: Path, *, state=None, process_group=None):
         super().__init__()
         self.model, self.optimizer, self.interval, self.dir = model, optimizer, interval, directory
+        # What is saved, and the group DCP's collectives run in: an FSDP2 job passes its sharded state dicts and
+        # a group of its own (the background save's collectives must not interleave with training's).
+        self.state = state or (lambda: {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()})
+        self.process_group = process_group
         self._future = None
         self._record: dict = {}
 
@@ -520,8 +531,8 @@ class DcpAsyncSave(Variant):
             self._future.result()
         waited = time.perf_counter() - started
         record = {"step": step, "waited_previous_s": waited}
-        future = dcp.async_save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
-                                checkpoint_id=str(self.dir / f"step-{step:08d}"))
+        future = dcp.async_save(self.state(), checkpoint_id=str(self.dir / f"step-{step:08d}"),
+                                process_group=self.process_group)
         returned = time.perf_counter()
         record["async_save_s"] = returned - started - waited
         record["stall_s"] = returned - started
@@ -551,6 +562,54 @@ class DcpAsyncSave(Variant):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class DashDaemons:
+    """A dash-memd and a dash-agent started for a dashrun variant (plain data: it travels to rank processes)."""
+
+    host: str
+    port: int
+    token_file: str
+    socket: str
+    plaintext: bool
+    memd: subprocess.Popen | None = dataclasses.field(default=None, compare=False, repr=False)
+    agent: subprocess.Popen | None = dataclasses.field(default=None, compare=False, repr=False)
+    memd_log: Path | None = None
+    agent_log: Path | None = None
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "port": self.port, "token_file": self.token_file, "socket": self.socket,
+                "plaintext": self.plaintext}
+
+
+def start_dash_daemons(directory: Path, procs: Processes, core: int, agent_core: int, *,
+                       plaintext: bool = False) -> DashDaemons:
+    """A real dash-memd pinned to ``core`` and a real dash-agent pinned to ``agent_core``, serving when it returns."""
+    from dashrun.util.tokens import write_token
+    from dashrun.wire.tls import TlsSettings
+
+    tls = TlsSettings(plaintext=plaintext)
+    directory.mkdir(parents=True, exist_ok=True)
+    token_file = directory / "token"
+    write_token(token_file)
+    ready = directory / "memd.ready"
+    memd_log = directory / "memd.log"
+    memd = procs.start_daemon("dash-memd", pinned(
+        [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
+         str(directory / "memd-data"), "--memory-limit", "4GiB", "--token-file", str(token_file),
+         "--ready-file", str(ready), *tls.args()], core), ready=daemon.file_written(ready), log=memd_log,
+        cwd=REPO,
+        env=child_env())
+    host, port = ready.read_text().strip().rsplit(":", 1)
+    sock_path = directory / "agent.sock"
+    agent_log = directory / "agent.log"
+    agent = procs.start_daemon("dash-agent", pinned(
+        [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
+         "--socket", str(sock_path), *tls.args()], agent_core), ready=daemon.accepting(sock_path),
+        log=agent_log,
+        cwd=REPO, env=child_env())
+    return DashDaemons(host, int(port), str(token_file), str(sock_path), plaintext, memd, agent, memd_log, agent_log)
+
+
 class Dashrun(Variant):
     key = "dashrun"
 
@@ -575,35 +634,22 @@ class Dashrun(Variant):
         self.nbytes = None
 
     def setup(self) -> None:
+        d = start_dash_daemons(self.dir, self.procs, self.core, self.agent_core, plaintext=self.plaintext)
+        self.memd, self.agent, self.memd_log, self.agent_log = d.memd, d.agent, d.memd_log, d.agent_log
+        self.connect(d)
+
+    def connect(self, d: DashDaemons) -> None:
+        """Point this process's Checkpointer at ``d``'s dash-agent, with clients of its dash-memd for the waits."""
         import dashrun
         from dashrun import env
-        from dashrun.util.tokens import write_token
         from dashrun.wire.memd_client import MemdClient
         from dashrun.wire.tls import TlsSettings
 
-        tls = TlsSettings(plaintext=self.plaintext)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        token_file = self.dir / "token"
-        token = write_token(token_file)
-        ready = self.dir / "memd.ready"
-        self.memd_log = self.dir / "memd.log"
-        self.memd = self.procs.start_daemon("dash-memd", pinned(
-            [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
-             str(self.dir / "memd-data"), "--memory-limit", "4GiB", "--token-file", str(token_file),
-             "--ready-file", str(ready), *tls.args()], self.core), ready=daemon.file_written(ready), log=self.memd_log,
-            cwd=REPO,
-            env=child_env())
-        host, port = ready.read_text().strip().rsplit(":", 1)
-        sock_path = self.dir / "agent.sock"
-        self.agent_log = self.dir / "agent.log"
-        self.agent = self.procs.start_daemon("dash-agent", pinned(
-            [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
-             "--socket", str(sock_path), *tls.args()], self.agent_core), ready=daemon.accepting(sock_path),
-            log=self.agent_log,
-            cwd=REPO, env=child_env())
-        os.environ[env.AGENT_SOCKET.name] = str(sock_path)
+        os.environ[env.AGENT_SOCKET.name] = d.socket
         os.environ[env.JOB_ID.name] = self.job
-        self._clients = [MemdClient(host, int(port), token, timeout=120, tls=tls) for _ in range(3)]
+        token = Path(d.token_file).read_bytes().strip()
+        self._clients = [MemdClient(d.host, d.port, token, timeout=120, tls=TlsSettings(plaintext=d.plaintext))
+                         for _ in range(3)]
         self._ram_client, self._disk_client, self._info_client = self._clients
         self.ckpt = dashrun.Checkpointer(model=self.model, optimizer=self.optimizer, interval=self.interval)
 
@@ -935,9 +981,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoints per variant before measuring (default 3: dash-memd's buffer pool needs "
                              "keep-ram + 1 buffers before it stops allocating; minimum 2)")
     parser.add_argument("--batch", type=int, default=32, help="batch size of the MLP (default 32)")
-    parser.add_argument("--variants", default=f"torch.save,dcp,dashrun,{PLAIN_KEY}",
-                        help=f"checkpointing variants to run besides the baseline (default: all four; "
-                             f"{PLAIN_KEY} is dashrun with --no-tls)")
+    parser.add_argument("--variants", default=None,
+                        help=f"checkpointing variants to run besides the baseline (default: all four, "
+                             f"torch.save,dcp,dashrun,{PLAIN_KEY}; {PLAIN_KEY} is dashrun with --no-tls; with "
+                             f"--fsdp: {','.join(FSDP_LABELS)})")
+    parser.add_argument("--fsdp", action="store_true",
+                        help=f"the model sharded with FSDP2 (fully_shard) over {FSDP_WORLD} rank processes: dashrun "
+                             "against DCP save and DCP async_save")
+    parser.add_argument("--fsdp-worker", metavar="CONFIG", help=argparse.SUPPRESS)  # one rank of --fsdp
     parser.add_argument("--json", metavar="OUT", help="write every number here")
     parser.add_argument("--no-restore", action="store_true",
                         help="skip restoring the same state afterwards (scripts/bench_restore.py's ways)")
@@ -949,9 +1000,24 @@ def main(argv: list[str] | None = None) -> int:
                              "different cores, as when dash-memd is on another machine (the agent's work then "
                              "counts against training)")
     args = parser.parse_args(argv)
+    if args.fsdp_worker:
+        return fsdp_worker(args.fsdp_worker)
     if args.steps < args.interval or args.steps % args.interval:
         parser.error("--steps must be a positive multiple of --interval")
     args.warmup = max(2, args.warmup)
+    if args.fsdp:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        procs = Processes()
+        scratch = Path(tempfile.mkdtemp(prefix="dashbench-", dir="/tmp"))
+        try:
+            return run_fsdp(args, procs, scratch, lambda msg: print(msg, flush=True))
+        finally:
+            procs.stop_all()
+            if args.keep_tmp:
+                print(f"scratch kept in {scratch}")
+            else:
+                shutil.rmtree(scratch, ignore_errors=True)
+    args.variants = args.variants or f"torch.save,dcp,dashrun,{PLAIN_KEY}"
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(wanted) - set(LABELS)
     if unknown:
@@ -1250,6 +1316,325 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
                    "interleaved": {k: v for k, v in run_.items()}, "variants": results, "summary": summary,
                    "ratios": ratios, "checkpoint_bytes": ck_bytes, "markdown": "\n".join(md)}
         Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
+        print(f"wrote {args.json}")
+
+
+# --- FSDP2 on 2 ranks ----------------------------------------------------------------------------
+#
+# ``--fsdp``: the same MLP, sharded with ``fully_shard`` over 2 rank processes (gloo), each running the interleaved
+# blocks above in lockstep (FSDP's collectives keep them together). Variants: none, DCP ``save`` (synchronous),
+# DCP ``async_save`` (its default thread), dashrun. DCP gets what an FSDP2 job hands it (``get_model_state_dict``
+# and ``get_optimizer_state_dict``: sharded, by parameter name) and a gloo group of its own, as torchtitan does; the
+# Checkpointer gets the model and the optimizer. One dash-memd and one dash-agent serve both ranks, as on one node.
+
+FSDP_WORLD = 2
+FSDP_JOB = "bench-fsdp"
+FSDP_LABELS = {"dcp.save": "DCP save", "dcp": "DCP async_save", "dashrun": "dashrun"}
+TARGET_ADDED_PCT_OF_DCP_SAVE = 10.0
+TARGET_ADDED_OVER_ASYNC_SAVE = 1.0
+
+
+def fsdp_state(model, optimizer):
+    """What an FSDP2 job hands DCP: its sharded model and optimizer state dicts, by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return lambda: {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+class DcpSave(Variant):
+    """``torch.distributed.checkpoint.save`` (synchronous, FileSystemWriter with fsync): the stall is the save."""
+
+    key = "dcp.save"
+
+    def __init__(self, interval: int, directory: Path, *, state, process_group=None):
+        super().__init__()
+        self.interval, self.dir, self.state, self.process_group = interval, directory, state, process_group
+
+    def setup(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def after_step(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if (step + 1) % self.interval:
+            return
+        started = time.perf_counter()
+        dcp.save(self.state(), checkpoint_id=str(self.dir / f"step-{step:08d}"), process_group=self.process_group)
+        stall = time.perf_counter() - started
+        if self.measuring:
+            self.saves.append({"step": step, "stall_s": stall, "on_disk_s": stall})
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def prune_checkpoints(directory: Path, keep: int = 1) -> None:
+    """Remove all but the newest ``keep`` step directories (untimed, between blocks): bounded disk use."""
+    steps = sorted(p for p in directory.glob("step-*") if p.is_dir())
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class FsdpDcpAsyncSave(DcpAsyncSave):
+    def quiesce(self) -> None:
+        super().quiesce()
+        if int(os.environ.get("RANK", "0")) == 0:  # both ranks' files of a step are complete once its future is
+            prune_checkpoints(self.dir, keep=2)
+
+
+class FsdpDcpSave(DcpSave):
+    def quiesce(self) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:  # dcp.save ends with a collective: every rank's files are there
+            prune_checkpoints(self.dir, keep=1)
+
+
+class FsdpDashrun(Dashrun):
+    """dashrun in one rank of the job: the daemons are the benchmark's (shared by the ranks, as on one node)."""
+
+    def __init__(self, model, optimizer, interval: int, directory: Path, daemons: DashDaemons):
+        super().__init__(model, optimizer, interval, directory, procs=None, core=0, plaintext=daemons.plaintext)
+        self.key, self.job, self.daemons = Dashrun.key, FSDP_JOB, daemons
+
+    def setup(self) -> None:
+        self.connect(self.daemons)
+
+
+def local_state_bytes(model, optimizer) -> int:
+    """Bytes of this rank's shards of the parameters and the optimizer state (what it stages)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = sum(nbytes(p) for p in model.parameters())
+    for state in optimizer.state.values():
+        total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def fsdp_worker(config_path: str) -> int:
+    """One rank of the FSDP2 benchmark (started by ``run_fsdp``): trains, measures, writes its figures as JSON."""
+    config = json.loads(Path(config_path).read_text())
+    rank = int(os.environ["RANK"])
+    core = config["rank_cores"][rank]
+    pin_process({core})
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    dcp_group = dist.new_group(backend="gloo")  # DCP's collectives apart from training's (as torchtitan does)
+    model, _, batch, mdesc = build_model(int(config["size_bytes"]), batch=config["batch"])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # after fully_shard: over the sharded parameters
+    mdesc["adamw_fused"] = False
+    trainer = Trainer(model, optimizer, batch)
+    trainer.step()  # creates the AdamW state
+    scratch = Path(config["scratch"])
+    state = fsdp_state(model, optimizer)
+    variants: list[Variant] = [NoCheckpoint()]
+    if "dcp.save" in config["variants"]:
+        variants.append(FsdpDcpSave(config["interval"], scratch / "dcp-save", state=state, process_group=dcp_group))
+    if "dcp" in config["variants"]:
+        variants.append(FsdpDcpAsyncSave(model, optimizer, config["interval"], scratch / "dcp-async", state=state,
+                                         process_group=dcp_group))
+    if "dashrun" in config["variants"]:
+        variants.append(FsdpDashrun(model, optimizer, config["interval"], scratch / "dashrun",
+                                    DashDaemons(**config["daemons"])))
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    try:
+        for v in variants:
+            v.setup()
+        run_ = interleave(trainer, variants, interval=config["interval"], warmup_rounds=config["warmup"],
+                          rounds=config["rounds"], monitor=CpuMonitor(config["daemon_pids"]), train_core=core,
+                          log=log)
+        for v in variants:
+            if isinstance(v, Dashrun):
+                v.finish()
+        results = {v.key: v.result() for v in variants}
+        summary = {v.key: summarise(v.key, v, run_) for v in variants}
+    finally:
+        for v in reversed(variants):
+            with contextlib.suppress(Exception):
+                v.close()
+    payload = {"rank": rank, "core": core, "model": mdesc, "local_state_bytes": local_state_bytes(model, optimizer),
+               "run": run_, "results": results, "summary": summary}
+    Path(config["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(payload, default=str))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def run_fsdp(args, procs: Processes, scratch: Path, log) -> int:
+    """The FSDP2 benchmark: daemons here, 2 rank processes that train and measure, their figures reported here."""
+    import torch
+
+    began = time.perf_counter()
+    mach = machine()
+    cores = sorted(os.sched_getaffinity(0))
+    rank_cores = [cores[r % len(cores)] for r in range(FSDP_WORLD)]
+    side_core = cores[FSDP_WORLD] if len(cores) > FSDP_WORLD else cores[-1]
+    where = (f"rank 0 and rank 1 pinned to cores {rank_cores[0]} and {rank_cores[1]}; dash-memd and dash-agent "
+             f"pinned to core {side_core}" + ("" if len(cores) > FSDP_WORLD else
+                                              f" (only {len(cores)} cores: shared with rank 1)"))
+    wanted = [v.strip() for v in (args.variants or ",".join(FSDP_LABELS)).split(",") if v.strip()]
+    unknown = set(wanted) - set(FSDP_LABELS)
+    if unknown:
+        raise SystemExit(f"--fsdp: unknown variants {', '.join(sorted(unknown))} (these: {', '.join(FSDP_LABELS)})")
+    rounds = args.steps // args.interval
+    log(f"machine: {describe_machine(mach)}; torch {torch.__version__}, torch.set_num_threads(1) per rank")
+    log(f"FSDP2 on {FSDP_WORLD} ranks (gloo, fully_shard per Linear and on the root); placement: {where}")
+    log(f"schedule: a checkpoint every {args.interval} steps; {args.warmup} warm-up checkpoints per variant, then "
+        f"{args.steps} measured steps ({rounds} checkpoints) per variant, interleaved")
+    daemons = None
+    if "dashrun" in wanted:
+        daemons = start_dash_daemons(scratch / "daemons", procs, side_core, side_core)
+        log(f"dashrun: dash-memd pid {daemons.memd.pid}, dash-agent pid {daemons.agent.pid} (logs in "
+            f"{scratch / 'daemons'})")
+    out = scratch / "results"
+    out.mkdir()
+    config = {"size_bytes": int(args.size_mib * MiB), "batch": args.batch, "interval": args.interval,
+              "warmup": args.warmup, "rounds": rounds, "variants": wanted, "scratch": str(scratch),
+              "rank_cores": rank_cores, "out": str(out), "daemons": daemons.to_json() if daemons else None,
+              "daemon_pids": {"dash-memd": daemons.memd.pid, "dash-agent": daemons.agent.pid} if daemons else {}}
+    config_path = scratch / "fsdp.json"
+    config_path.write_text(json.dumps(config))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
+    ranks = []
+    for rank in range(FSDP_WORLD):
+        env = {**child_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(FSDP_WORLD),
+               "LOCAL_WORLD_SIZE": str(FSDP_WORLD), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(master_port)}
+        cmd = pinned([sys.executable, str(Path(__file__).resolve()), "--fsdp-worker", str(config_path)],
+                     rank_cores[rank])
+        # rank 0 speaks on this terminal (its progress); rank 1 into a log
+        extra = {"stdout": None} if rank == 0 else {"log": scratch / f"rank{rank}.log"}
+        ranks.append(procs.start(f"rank {rank}", cmd, cwd=REPO, env=env, **extra))
+    deadline = time.monotonic() + max(600.0, 20.0 * args.steps)
+    while any(p.poll() is None for p in ranks) and not any(p.returncode for p in ranks):
+        if time.monotonic() > deadline:
+            raise SystemExit("--fsdp: the ranks did not finish in time")
+        time.sleep(0.2)  # polling child processes, not synchronising with them
+    failed = [r for r, p in enumerate(ranks) if p.returncode]
+    if failed:
+        for p in ranks:
+            procs.stop(p, timeout=10)
+        tail = (scratch / "rank1.log").read_text(errors="replace")[-3000:] if (scratch / "rank1.log").exists() else ""
+        raise SystemExit(f"--fsdp: rank {failed[0]} failed (exit {ranks[failed[0]].returncode}); rank 1's log:\n{tail}")
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(FSDP_WORLD)]
+    report_fsdp(args, mach, where, per_rank, began)
+    return 0
+
+
+def report_fsdp(args, mach, where, per_rank: list[dict], began: float) -> None:
+    import torch
+
+    rank0 = per_rank[0]
+    summary, mdesc = rank0["summary"], rank0["model"]
+    local = max(r["local_state_bytes"] for r in per_rank)
+    rounds = args.steps // args.interval
+    base = summary["none"]
+
+    def stall(key: str) -> float | None:
+        """The slowest rank's median stall: a collective makes the others wait for it."""
+        values = [r["summary"][key]["stall_median_s"] for r in per_rank if r["summary"][key]["stall_median_s"]]
+        return max(values) if values else None
+
+    print()
+    print(f"FSDP2, {FSDP_WORLD} ranks: MLP {mdesc['layers']} x Linear({mdesc['width']}, {mdesc['width']}), "
+          f"{mdesc['state_bytes'] / MiB:.1f} MiB of state in all, {local / MiB:.1f} MiB per rank (params + AdamW "
+          f"exp_avg + exp_avg_sq, fp32); baseline block {base['block_mean_s']:.2f}s ({args.interval} steps)")
+    for key, label in FSDP_LABELS.items():
+        if key not in summary:
+            continue
+        s = summary[key]
+        se = f" ± {fmt_ms(s['added_stderr_s'])} s.e." if s["added_stderr_s"] is not None else ""
+        stalls = ", ".join(f"rank {r['rank']} {fmt_ms(r['summary'][key]['stall_median_s'])}" for r in per_rank)
+        print(f"{label}: stall per checkpoint (median) {stalls}; added training time per checkpoint "
+              f"{fmt_ms(s['added_per_checkpoint_s'])}{se} (median {fmt_ms(s['added_paired_median_s'])}); on disk "
+              f"after {fmt_ms(s['on_disk_median_s'])}")
+        if key == "dashrun":
+            r = rank0["results"][key]
+            print(f"  stall = save() {fmt_ms(s['save_call_median_s'])} + optimizer-hook wait "
+                  f"{fmt_ms(s['hook_wait_median_s'])} (rank 0, medians); snapshots {r['snapshots_measured']}, "
+                  f"skipped {r['skipped_measured']}; committed in dash-memd RAM after {fmt_ms(s['ram_median_s'])}"
+                  + (f" ({r['checkpoint_bytes'] / MiB:.1f} MiB per checkpoint)" if r["checkpoint_bytes"] else ""))
+
+    ratios: dict = {}
+    checks = []
+    d, ds, da = summary.get("dashrun"), summary.get("dcp.save"), summary.get("dcp")
+    if d:
+        ratios["stall_ms_per_gib_local"] = stall("dashrun") * 1e3 / (local / GiB) if stall("dashrun") else None
+        checks.append(("dashrun stall per checkpoint, ms per GiB of a rank's state",
+                       ratios["stall_ms_per_gib_local"], TARGET_STALL_MS_PER_GIB, "slowest rank's median"))
+        if ds and ds["added_per_checkpoint_s"] and ds["added_per_checkpoint_s"] > 0:
+            ratios["added_pct_of_dcp_save"] = 100 * d["added_per_checkpoint_s"] / ds["added_per_checkpoint_s"]
+            note = (f"± {100 * d['added_stderr_s'] / ds['added_per_checkpoint_s']:.1f} s.e."
+                    if d["added_stderr_s"] is not None else "")
+            checks.append(("dashrun added training time per checkpoint, % of DCP save's",
+                           ratios["added_pct_of_dcp_save"], TARGET_ADDED_PCT_OF_DCP_SAVE, note))
+        if da and da["added_per_checkpoint_s"] and da["added_per_checkpoint_s"] > 0:
+            ratios["added_over_async_save"] = d["added_per_checkpoint_s"] / da["added_per_checkpoint_s"]
+            checks.append(("dashrun added training time per checkpoint / DCP async_save's",
+                           ratios["added_over_async_save"], TARGET_ADDED_OVER_ASYNC_SAVE,
+                           f"{fmt_ms(d['added_per_checkpoint_s'])} / {fmt_ms(da['added_per_checkpoint_s'])}"))
+    ratios["targets"] = {}
+    if checks:
+        print()
+        print("targets:")
+    for label, value, target, note in checks:
+        ok = value is not None and value <= target
+        ratios["targets"][label] = {"value": value, "target": target, "met": ok, "note": note}
+        shown = "n/a" if value is None else f"{value:.2f}"
+        print(f"  {label}: {shown}{f' ({note})' if note else ''}; target <= {target:g}: "
+              f"{'MET' if ok else 'MISSED' if value is not None else 'not measured'}")
+
+    md = [(f"Machine: {describe_machine(mach)}; {where}. FSDP2 on {FSDP_WORLD} ranks (gloo): MLP {mdesc['layers']} x "
+           f"{mdesc['width']}², AdamW; {mdesc['state_bytes'] / MiB:.0f} MiB of state, {local / MiB:.0f} MiB per rank. "
+           f"A checkpoint every {args.interval} steps ({args.interval} x {base['step_median_s'] * 1e3:.0f} ms); "
+           f"{rounds} checkpoints per variant measured after {args.warmup} warm-up ones, variants interleaved. "
+           f"torch {torch.__version__}."),
+          "",
+          "| | stall per checkpoint (slowest rank) | added training time per checkpoint | safe in remote RAM after "
+          "| safe on disk after |",
+          "|---|---:|---:|---:|---:|",
+          f"| no checkpointing | – | – ({args.steps} steps: {base['block_mean_s'] * rounds:.1f} s) | – | – |"]
+    for key, label in (("dcp.save", "DCP `save`"), ("dcp", "DCP `async_save`"), ("dashrun", "**dashrun**")):
+        if key in summary:
+            s = summary[key]
+            md.append(f"| {label} | {fmt_ms(stall(key))} | {fmt_ms(s['added_per_checkpoint_s'])} | "
+                      f"{fmt_ms(s.get('ram_median_s'))} | {fmt_ms(s['on_disk_median_s'])} |")
+    if ratios["targets"]:
+        md += ["", "| target | measured | met |", "|---|---:|---|"]
+        for label, t in ratios["targets"].items():
+            v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+            met = "yes" if t["met"] else "no" if t["value"] is not None else "not measured"
+            note = f" ({t['note']})" if t["note"] else ""
+            md.append(f"| {label} <= {t['target']:g} | {v}{note} | {met} |")
+    print()
+    print("\n".join(md))
+    print()
+    print(f"(benchmark took {time.perf_counter() - began:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": mach, "placement": where, "fsdp_world": FSDP_WORLD,
+                                               "interval": args.interval, "steps": args.steps,
+                                               "warmup_checkpoints": args.warmup, "ranks": per_rank,
+                                               "ratios": ratios, "markdown": "\n".join(md)}, indent=1, default=str))
         print(f"wrote {args.json}")
 
 

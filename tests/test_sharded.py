@@ -1,0 +1,161 @@
+"""Sharded models end to end (FSDP2, tensor parallel, 2-D meshes, HSDP), with real processes: dashrun,
+dash-agent, dash-memd and gloo ranks running tests/bin/sharded_train.py.
+
+A resume at the same world size is compared bit for bit with an uninterrupted run (under plain torchrun, where
+the Checkpointer is off); a restore at another world size or mesh is compared by every parameter's and optimizer
+state's ``full_tensor()``, dumped by the saving run as it ends (its last step is a checkpoint) and by the
+restoring run right after ``restore()`` (it has no step left to run).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, dashrun_cmd, kill_tree, wait_for
+from runs import assert_identical, final_states, last_step, starts
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "tests" / "bin" / "sharded_train.py"
+#: Checkpoints after steps 3, 7 and 11: the last step of a run is always one.
+STEPS, INTERVAL = 12, 4
+#: A saving run for a restore elsewhere: its last step (7) is checkpointed, so its final state is the checkpoint's.
+SAVED_STEPS = 8
+
+
+def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(cmd[-12:])}: {result.stderr[-3000:]}"
+    return result
+
+
+def train(memd, out: Path, job: str, nproc: int, *args: str, dump: Path | None = None) -> None:
+    """One run of the script under dashrun; ``dump``: where rank 0 writes the full tensors as it ends."""
+    extra = ["--dump", str(dump)] if dump else []
+    run(dashrun_cmd(memd, str(SCRIPT), *args, "--out", str(out), *extra, job=job, nproc=nproc))
+
+
+def assert_same_full_state(saved: dict, restored: dict, where: str) -> None:
+    """Every parameter's and optimizer state's full tensor, the param groups and the scheduler, exactly equal."""
+    # Not vacuous: the saving run had optimizer state for every parameter (Adam's step, exp_avg, exp_avg_sq).
+    params = [k for k in saved if k.startswith("param/")]
+    assert params and all(f"optim/{k[len('param/'):]}/exp_avg_sq" in saved for k in params), sorted(saved)
+    assert saved.keys() == restored.keys(), f"{where}: keys differ: {sorted(saved.keys() ^ restored.keys())}"
+    for key, value in saved.items():
+        got = restored[key]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and got.dtype == value.dtype and got.shape == value.shape, (
+                f"{where}: {key} is {getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}, "
+                f"saved {value.dtype} {tuple(value.shape)}")
+            assert torch.equal(got, value), f"{where}: {key} differs"
+        else:
+            assert got == value, f"{where}: {key}: {got!r} != {value!r}"
+
+
+def restore_elsewhere(memd, tmp_path: Path, job: str, saved: dict, nproc: int, *args: str) -> None:
+    """Restore ``job`` with ``nproc`` ranks and ``args`` (the mode, the shapes): exactly the saved state."""
+    where = f"{nproc} ranks, {' '.join(args)}"
+    out = tmp_path / f"restore-{nproc}-{'-'.join(a.lstrip('-') for a in args)}"
+    dump = out.with_suffix(".pt")
+    train(memd, out, job, nproc, "--steps", str(SAVED_STEPS), "--interval", str(INTERVAL), *args, dump=dump)
+    assert starts(out) == [SAVED_STEPS], f"{where}: restore() did not return the step after the saved one"
+    for rank in range(nproc):  # each rank read its pieces by byte range: not every saved rank's whole
+        stats = json.loads((out / f"restore-rank{rank}.json").read_text())
+        assert 0 < stats["sharded_read"] <= 1.2 * stats["sharded_needed"], f"{where}, rank {rank}: {stats}"
+    assert_same_full_state(saved, torch.load(dump, weights_only=False), where)
+
+
+def save_for_restore(memd, tmp_path: Path, job: str, nproc: int, *args: str) -> dict:
+    """Train ``job`` for SAVED_STEPS steps; returns the full state it ended with (= its last checkpoint)."""
+    out, dump = tmp_path / "saved", tmp_path / "saved.pt"
+    train(memd, out, job, nproc, "--steps", str(SAVED_STEPS), "--interval", str(INTERVAL), *args, dump=dump)
+    with memd.client() as client:
+        assert client.latest(job).step == SAVED_STEPS - 1
+    return torch.load(dump, weights_only=False)
+
+
+FSDP_ARGS = ["--mode", "fsdp", "--steps", str(STEPS), "--interval", str(INTERVAL)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted FSDP2 run on 2 ranks under plain torchrun (the Checkpointer is off there)."""
+    out = tmp_path_factory.mktemp("fsdp-reference")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+         *FSDP_ARGS, "--out", str(out)])
+    return final_states(out)
+
+
+def test_fsdp_killed_at_a_random_step_resumes_bit_identical(memd, tmp_path, fsdp_reference):
+    out = tmp_path / "out"
+    cmd = dashrun_cmd(memd, str(SCRIPT), *FSDP_ARGS, "--out", str(out), "--delay", "0.1", job="fsdp-kill")
+    kill_at = random.Random().randint(INTERVAL + 1, STEPS - 3)
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with memd.client() as client:
+            def committed() -> int:
+                info = client.latest("fsdp-kill")
+                return -1 if info is None else info.step
+
+            # Past the first checkpoint, committed, and at the random step: then killed outright.
+            wait_for(lambda: launcher.poll() is not None or (last_step(out) >= kill_at and committed() >= 0), 180,
+                     f"step {kill_at} with a checkpoint committed")
+    finally:
+        kill_tree(launcher)  # launcher, agent and ranks together, with SIGKILL
+    assert launcher.returncode == -9, "the run finished before it could be killed"
+    with memd.client() as client:
+        committed = client.latest("fsdp-kill")
+    assert committed is not None and committed.step <= last_step(out)
+
+    run(cmd)
+    assert starts(out) == [0, committed.step + 1], f"killed at {kill_at}"
+    assert starts(out, rank=1) == [0, committed.step + 1]
+    assert_identical(fsdp_reference, out)
+
+
+def test_fsdp_saved_on_2_ranks_restored_on_1_3_and_4_and_exported_whole(memd, tmp_path):
+    saved = save_for_restore(memd, tmp_path, "fsdp-reshard", 2, "--mode", "fsdp")
+    for nproc in (1, 3, 4):
+        restore_elsewhere(memd, tmp_path, "fsdp-reshard", saved, nproc, "--mode", "fsdp")
+
+    # Exported, every sharded tensor is whole: torch.load reads it, and DCP loads it in one process.
+    export = [sys.executable, "-m", "dashrun", "export", "--memd", memd.address, "--token-file",
+              str(memd.token_file), *memd.tls_args, "fsdp-reshard"]
+    run([*export, str(tmp_path / "whole.pt"), "--format", "torch"])
+    run([*export, str(tmp_path / "whole.dcp"), "--format", "dcp"])
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)["model"]
+    params = {k[len("param/"):]: v for k, v in saved.items() if k.startswith("param/")}
+    assert params and all(torch.equal(whole[name], value) for name, value in params.items())
+    import torch.distributed.checkpoint as dcp
+
+    loaded = {"model": {name: torch.zeros_like(value) for name, value in params.items()}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "whole.dcp"), no_dist=True)
+    assert all(torch.equal(loaded["model"][name], value) for name, value in params.items())
+
+
+def test_tp_on_a_2d_mesh_of_4_restored_on_a_1d_tp_mesh_of_2(memd, tmp_path):
+    saved = save_for_restore(memd, tmp_path, "tp2d", 4, "--mode", "tp2d")
+    restore_elsewhere(memd, tmp_path, "tp2d", saved, 2, "--mode", "tp")
+
+
+def test_uneven_shards_restored_on_fsdp_and_hsdp(memd, tmp_path):
+    # 13 x 7 and 7 x 13 weights, 13- and 7-element biases: no dimension divides evenly by 2 or 3 ranks.
+    shapes = ("--dim", "13", "--width", "7")
+    saved = save_for_restore(memd, tmp_path, "uneven", 3, "--mode", "fsdp", *shapes)
+    # FSDP on 3 ranks to FSDP on 2, and to HSDP on 4: sharded over 2, replicated over the other 2.
+    for nproc, mode in ((2, "fsdp"), (4, "hsdp")):
+        restore_elsewhere(memd, tmp_path, "uneven", saved, nproc, "--mode", mode, *shapes)
+    # A model of other global shapes cannot take it: one clear error naming the key and both shapes.
+    result = subprocess.run(dashrun_cmd(memd, str(SCRIPT), "--steps", str(SAVED_STEPS), "--mode", "fsdp", "--dim",
+                                        "14", "--width", "7", "--out", str(tmp_path / "other"), job="uneven", nproc=1),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert any("blocks.0.up.weight" in line and "(13, 7)" in line and "(14, 7)" in line
+               for line in result.stderr.splitlines()), result.stderr[-3000:]
+

@@ -8,6 +8,8 @@ The data path::
 * :mod:`dashrun.rank.checkpointer` — the rank side: stages state into reused shared
   memory beside the next forward/backward, hands it to the node's agent,
   restores the newest committed checkpoint. The only part that imports torch.
+* :mod:`dashrun.dcp` — ``Writer``/``Reader``: dash-memd as the storage of
+  ``torch.distributed.checkpoint`` (``dcp.save``/``dcp.load``).
 * :mod:`dashrun.data` — ``ElasticSampler``: a data position that survives any change of
   world size.
 * :mod:`dashrun.wire.protocol`, :mod:`dashrun.wire.channel` — the one wire format.
@@ -18,13 +20,14 @@ The data path::
 * :mod:`dashrun.env` — every ``DASH_*`` variable the processes exchange.
 * :mod:`dashrun.errors` — exceptions and exit codes.
 
-``import dashrun`` does not import torch; ``dashrun.Checkpointer`` does, on
-first use, so dash-agent and dash-memd run on machines without torch.
+``import dashrun`` does not import torch; ``dashrun.Checkpointer`` and
+``dashrun.dcp`` do, on first use, so dash-agent and dash-memd run on machines
+without torch.
 """
 
 from __future__ import annotations
 
-__all__ = ["Checkpointer", "ElasticSampler", "ExitCode", "__version__"]
+__all__ = ["Checkpointer", "ElasticSampler", "ExitCode", "__version__", "dcp"]
 
 from dashrun.errors import ExitCode
 from dashrun.version import __version__
@@ -39,4 +42,8 @@ def __getattr__(name: str):
         from dashrun.data.sampler import ElasticSampler
 
         return ElasticSampler
+    if name == "dcp":  # a submodule, loaded on first use: it imports torch.distributed.checkpoint
+        import dashrun.dcp as dcp
+
+        return dcp
     raise AttributeError(f"module 'dashrun' has no attribute {name!r}")

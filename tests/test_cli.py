@@ -82,6 +82,9 @@ def test_ranks_get_the_environment_torchrun_gives_them(tmp_path):
                      "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "MASTER_ADDR"):
             assert mine[name] == theirs[name], name
         assert mine["DASH_JOB_ID"] == "envdump" and Path(mine["DASH_AGENT_SOCKET"]).name == "agent.sock"
+        # dash-memd (here the private one), its token and TLS, under the names dashrun.dcp.Reader() reads
+        assert mine["DASH_MEMD"].rpartition(":")[2].isdigit() and Path(mine["DASH_TOKEN_FILE"]).is_absolute()
+        assert mine.get("DASH_NO_TLS") == ("1" if os.environ.get("DASH_NO_TLS") == "1" else None)
 
 
 # --- the private dash-memd ---------------------------------------------------------

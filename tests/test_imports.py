@@ -116,15 +116,18 @@ def test_there_is_no_import_cycle():
 
 # Who may import whom, transitively: (these modules, must never reach these packages)
 BOUNDARIES = [
-    ("dashrun.rank", ("dashrun.launch", "dashrun.memd", "dashrun.agent")),
-    ("dashrun.memd", ("dashrun.rank", "dashrun.launch", "dashrun.agent")),
-    ("dashrun.agent", ("dashrun.rank", "dashrun.launch", "dashrun.memd")),
+    ("dashrun.rank", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
+    ("dashrun.dcp", ("dashrun.launch", "dashrun.memd", "dashrun.agent")),
+    ("dashrun.memd", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.agent")),
+    ("dashrun.agent", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd")),
     ("dashrun.launch", ("dashrun.memd", "dashrun.agent")),
-    ("dashrun.wire", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
-    ("dashrun.util", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent", "dashrun.wire")),
-    ("dashrun.data", ("dashrun.launch", "dashrun.memd", "dashrun.agent")),
+    ("dashrun.wire", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
+    ("dashrun.util", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent",
+                      "dashrun.wire")),
+    ("dashrun.data", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
     ("dashrun.errors", ("dashrun",)),
-    ("dashrun.env", ("dashrun.rank", "dashrun.launch", "dashrun.memd", "dashrun.agent", "dashrun.wire")),
+    ("dashrun.env", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent",
+                     "dashrun.wire")),
 ]
 
 
@@ -192,6 +195,14 @@ def test_daemons_do_not_import_torch(modules):
 def test_dashrun_package_import_is_lazy_about_the_checkpointer():
     code = ("import sys, dashrun; before = 'torch' in sys.modules; dashrun.Checkpointer; "
             "print(before, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False True"
+
+
+def test_dashrun_package_import_is_lazy_about_dcp():
+    """``dashrun.dcp`` is reachable after a bare ``import dashrun``; torch.distributed.checkpoint loads only then."""
+    code = ("import sys, dashrun; before = 'torch.distributed.checkpoint' in sys.modules; dashrun.dcp.Writer; "
+            "print(before, 'torch.distributed.checkpoint' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False True"
 

@@ -7,7 +7,9 @@ keyword (``model``, ``optimizer``, ...), each saved rank's own state under
 step, world}. ``torch`` writes one file for ``torch.load`` (``weights_only``
 safe: numpy arrays become tensors, numpy scalars Python numbers); ``dcp``
 writes a directory for ``torch.distributed.checkpoint.load``. Either appears
-whole or not at all (temp name, fsync, rename).
+whole or not at all (temp name, fsync, rename). A checkpoint that
+:class:`dashrun.dcp.Writer` wrote is exported as ``dcp.load`` gives it to one
+process (every tensor whole, nested as saved), with ``dashrun`` beside it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ def fetch_state(client: MemdClient, job: str, step: int | None,
     if info is None:
         raise NotFoundError(f"job {job} has no committed checkpoint" + (f" of step {step}" if step is not None else ""),
                             hint="see what there is with: dashrun ls " + job)
+    from dashrun.dcp import full_state  # here: it imports torch.distributed.checkpoint
+
+    state = full_state(client, info)  # None unless dashrun.dcp.Writer wrote it
+    if state is not None:
+        if progress:
+            progress(info.nbytes, info.nbytes)
+        state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}
+        return info, state
     tails, size = image.layout(info)
     with mmap.mmap(-1, max(size, 1)) as mapped:
         done = 0

@@ -217,6 +217,7 @@ def run(config: NodeConfig) -> int:
         agent = stack.enter_context(AgentProcess(options, placement.agent))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
         os.environ[env.JOB_ID.name] = options.job_id
+        _pass_memd_to_ranks(options)
         watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PreemptionRecord.FILE))
         try:
             # torch's agent starts (and restarts) the ranks from this thread: they inherit its CPUs.
@@ -237,6 +238,21 @@ def run(config: NodeConfig) -> int:
         if watcher.record() is not None:
             return report_preempted(options, watcher)
     return int(ExitCode.OK)
+
+
+def _pass_memd_to_ranks(options: LaunchOptions) -> None:
+    """dash-memd (the private one too), the token file and the TLS settings in the environment the ranks
+    inherit, under the names their options read, so that code in a rank reaches dash-memd as dashrun does
+    (``dashrun.dcp.Reader()`` with no arguments)."""
+    host, port = options.memd
+    os.environ[env.MEMD.name] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    os.environ[env.TOKEN_FILE.name] = os.path.abspath(options.token_file)
+    for var, value in ((env.NO_TLS, "1" if options.tls.plaintext else None),
+                       (env.TLS_CA, str(options.tls.ca) if options.tls.ca is not None else None)):
+        if value is None:
+            os.environ.pop(var.name, None)
+        else:
+            os.environ[var.name] = value
 
 
 def _name_rendezvous_callers_cheaply() -> None:

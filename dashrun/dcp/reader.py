@@ -1,0 +1,227 @@
+"""The StorageReader: a committed step read back from dash-memd, only the bytes each rank's plan asks for.
+
+:class:`Reader` builds DCP's ``Metadata`` from rank 0's description of a
+committed step (:func:`dashrun.dcp.metadata.parse_metadata`, every offset and
+length checked against the shards' announced sizes) and reads each item as
+byte ranges of the shard that holds it: only the bytes of the slices this
+rank's planner asks for (:func:`dashrun.rank.sharded.byte_runs`, with short
+gaps read rather than skipped), never the whole checkpoint.
+:func:`describe_dcp` tells a checkpoint :class:`dashrun.dcp.Writer` wrote from
+any other, and :func:`full_state` loads the whole of one in this process, as
+``dashrun export`` writes it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import uuid
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dashrun.dcp.metadata import FORMAT, MAX_META_DEPTH, Where, parse_metadata
+from dashrun.dcp.target import Connected, Target, step_of
+from dashrun.errors import NotFoundError, ProtocolError, UsageError
+from dashrun.rank.sharded import byte_runs
+from dashrun.rank.staging import bytes_of
+from dashrun.util.boundedjson import loads_bounded
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import CheckpointInfo
+from dashrun.wire.tls import TlsSettings
+
+__all__ = ["MAX_GAP", "Reader", "describe_dcp", "full_state"]
+
+#: Gaps of at most this many bytes between the pieces of one item a rank needs are read rather than skipped:
+#: one request instead of many small ones (a column slice of a row-major chunk is one piece per row).
+MAX_GAP = 64 << 10
+
+
+def _windows(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """The runs, those at most ``gap`` apart merged (sorted, as :func:`~dashrun.rank.sharded.byte_runs` makes
+    them)."""
+    merged: list[list[int]] = []
+    for start, end in runs:
+        if merged and start - merged[-1][1] <= gap:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+class Reader(Connected, StorageReader):
+    """A ``torch.distributed.checkpoint`` StorageReader that reads a committed step from dash-memd.
+
+    The step is ``checkpoint_id`` of ``dcp.load`` (an int, or a string or path
+    whose last run of digits is the step), else ``step=``, else the newest
+    committed step of the job (looked up by each rank: pass the step when
+    another save may commit meanwhile). The job and dash-memd are found as
+    :class:`~dashrun.dcp.Writer` finds them; ``client=`` reuses an open connection (not
+    closed by the reader). ``bytes_read`` counts the item bytes it fetched.
+    """
+
+    _UNPICKLED = ("_client",)
+
+    def __init__(self, job: str | None = None, step: int | None = None, memd: str | tuple[str, int] | None = None,
+                 token_file: str | os.PathLike | None = None, *, tls: TlsSettings | None = None,
+                 client: MemdClient | None = None):
+        super().__init__()
+        if client is not None:
+            memd = (client.host, client.port)
+            token_file = token_file or "-"  # the client holds the token already
+            self._client, self._owns_client = client, False
+        self._target = Target.resolve("Reader", job, memd, token_file, tls, use_agent=False)
+        self.step = None if step is None else step_of(int(step))
+        self.info: CheckpointInfo | None = None
+        self.metadata: Metadata | None = None
+        self.bytes_read = 0
+        self.load_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = step_of(checkpoint_id)
+        self.info = self.metadata = None
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.metadata is None:
+            info = self._memd().latest(self.job, self.step)
+            if info is None:
+                raise NotFoundError(f"job {self.job} has no committed checkpoint" +
+                                    (f" of step {self.step}" if self.step is not None else ""),
+                                    hint=f"see what there is with: dashrun ls {self.job}")
+            description = describe_dcp(self._memd(), info)
+            if description is None:
+                raise UsageError(f"{info.job} step {info.step} was not written by dashrun.dcp.Writer",
+                                 hint="restore it with dashrun.Checkpointer, or export it: dashrun export")
+            self.metadata = parse_metadata(description, info)
+            self.info, self.step = info, info.step
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.info is None or metadata is not self.metadata:
+            self.read_metadata()  # DCP handed over metadata it read through another reader: use our own
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        storage = self.metadata.storage_data
+        for item in plan.items:
+            where = storage.get(item.storage_index)
+            if where is None:
+                raise ProtocolError(f"{item.storage_index.fqn!r} is not stored in {self.job} step {self.step}")
+            if item.type == LoadItemType.BYTE_IO:
+                data = bytearray(where.length)
+                self._read(where, 0, memoryview(data))
+                planner.load_bytes(item, io.BytesIO(data))
+                continue
+            md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+            tensor = self._read_slice(where, md, item.storage_index.offset, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise UsageError(f"{item.storage_index.fqn}: the checkpoint's slice has shape {tuple(tensor.size())},"
+                                 f" the tensor to load it into {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_slice(self, where: Where, md: TensorStorageMetadata, chunk_offsets: Sequence[int],
+                    offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        """The slice ``offsets``/``lengths`` of the stored chunk at ``chunk_offsets``: only its bytes are read."""
+        sizes = next(c.sizes for c in md.chunks if list(c.offsets) == list(chunk_offsets))
+        if len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)):
+            raise UsageError(f"a slice {list(offsets)}+{list(lengths)} lies outside the stored chunk {list(sizes)}")
+        dtype = md.properties.dtype
+        if math.prod(lengths) == 0:
+            return torch.empty(tuple(lengths), dtype=dtype)
+        windows = _windows(byte_runs(list(sizes), list(offsets), list(lengths), dtype.itemsize), MAX_GAP)
+        first = windows[0][0]
+        span = torch.empty(windows[-1][1] - first, dtype=torch.uint8)
+        for start, end in windows:
+            self._read(where, start, bytes_of(span[start - first:end - first]))
+        strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
+        return span.view(dtype).as_strided(tuple(lengths), strides, 0)
+
+    def _read(self, where: Where, offset: int, view: memoryview) -> None:
+        """Bytes ``[offset, offset + len(view))`` of the item at ``where``, checked to lie within it."""
+        if offset < 0 or offset + len(view) > where.length:
+            raise ProtocolError("a read outside the item that should hold it")
+        if not len(view):
+            return
+        shard = self.info.shards[where.rank]
+        self._memd().get_shard_into(self.job, self.step, where.rank, [view],
+                                    offset=shard.rep_end - shard.rep_start + where.start + offset)
+        self.bytes_read += len(view)
+
+
+def describe_dcp(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | None:
+    """Rank 0's ``"dcp"`` metadata of a committed checkpoint (read as one byte range), or None if
+    :class:`~dashrun.dcp.Writer` did not write it."""
+    shard = info.shards[0]
+    if info.rep_total != 0 or not shard.meta_len:
+        return None
+    meta = bytearray(shard.meta_len)
+    client.get_shard_into(info.job, info.step, 0, [memoryview(meta)],
+                          offset=shard.rep_end - shard.rep_start + shard.private_len)
+    try:
+        description = loads_bounded(meta, MAX_META_DEPTH)
+    except ValueError as e:
+        raise ProtocolError(f"{info.job} step {info.step}: unreadable description: {e}") from None
+    dcp = description.get("dcp") if isinstance(description, dict) else None
+    if not isinstance(dcp, dict):
+        return None
+    if dcp.get("format") != FORMAT:
+        raise UsageError(f"{info.job} step {info.step} was written by another version of dashrun.dcp "
+                         f"(format {str(dcp.get('format'))[:20]})", hint="read it with that version")
+    return dcp.get("metadata")
+
+
+def full_state(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | None:
+    """The whole state of a checkpoint :class:`~dashrun.dcp.Writer` wrote, as ``dcp.load`` gives it to one process (full
+    tensors, nested as saved); None if it was not written by :class:`~dashrun.dcp.Writer`."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class WeightsOnly(_EmptyStateDictLoadPlanner):
+        """DCP's planner for a state it builds from the metadata, but unpickling values as ``torch.load``'s
+        ``weights_only`` does: whoever can write into dash-memd's disk or bucket cannot make an export run code."""
+
+        def load_bytes(self, read_item, value) -> None:
+            value = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = value
+
+    if describe_dcp(client, info) is None:
+        return None
+    state: dict[str, Any] = {}
+    reader = Reader(info.job, info.step, client=client)
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=WeightsOnly(), no_dist=True)
+    except CheckpointException as e:
+        failures = [failure[0] for failure in e.failures.values()]  # (exception, its traceback)
+        refused = [f for f in failures if isinstance(f, pickle.UnpicklingError)]
+        if not refused:
+            raise
+        raise UsageError(f"{info.job} step {info.step} holds a value DCP pickled that is not plain data "
+                         f"({str(refused[0]).splitlines()[-1].strip()[:200]})",
+                         hint="export loads such values as torch.load(weights_only=True) does; load it with "
+                              "dcp.load and dashrun.dcp.Reader where the source is trusted") from None
+    return state

@@ -43,8 +43,10 @@ This module is the facade a training script sees; it wires the parts:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Iterable, NoReturn
 
@@ -89,6 +91,26 @@ def _membership_from_env() -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def _record_uncaught_errors() -> None:
+    """What torchrun's ``@record`` does for a script that lacks it: an exception that ends the rank is written to
+    the error file torch's elastic agent reads, so dashrun's last line names it (a restore that cannot map a
+    tensor, say) rather than torch's placeholder. Once per process; the previous hook still prints it."""
+    if getattr(sys.excepthook, "dashrun_records", False) or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        if not os.path.exists(os.environ.get("TORCHELASTIC_ERROR_FILE", "")):  # @record may have written it
+            with contextlib.suppress(Exception):
+                get_error_handler().record_exception(value)
+        previous(kind, value, traceback)
+
+    hook.dashrun_records = True
+    sys.excepthook = hook
 
 
 def _show_logs_of_rank(rank: int) -> None:
@@ -146,6 +168,7 @@ class Checkpointer:
         #: world size (ranks): the place to rescale a learning rate or a per-rank batch.
         self.on_world_change = on_world_change
         _show_logs_of_rank(self.rank)
+        _record_uncaught_errors()
         self._socket = env.get(env.AGENT_SOCKET)
         self.enabled = bool(self._socket and self.job_id)
         if not self.enabled:

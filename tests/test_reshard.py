@@ -188,3 +188,31 @@ def test_a_dtensor_in_per_rank_state_is_refused_with_its_path(fake_world):
         statetree.flatten({"data": {"w": leaf}})
     skeleton, leaves = statetree.flatten({"m": {"w": leaf, "v": leaf}}, found := [])
     assert skeleton == {"m": {"w": {"$S": 0}, "v": {"$S": 0}}} and found == [leaf] and leaves == []
+
+
+def test_an_export_assembles_each_tensor_whole_and_lets_each_piece_go_once_copied():
+    source = torch.randn(9, 6)
+    saved, region = saved_as(source, [[0, 4], [0, 3]])
+    released = []
+    full = sharded.assemble([["float32", [9, 6]]], {0: saved}, region, [0] * len(saved),
+                            lambda start, stop: released.append((start, stop)))
+    assert torch.equal(full[0], source)
+    assert released == [(p.at, p.at + math.prod(p.sizes) * 4) for p in saved]
+
+
+def test_an_export_of_a_step_gone_while_it_is_read_says_so_and_lets_go_of_its_memory():
+    from dashrun.errors import NotFoundError
+    from dashrun.launch.export import fetch_state
+
+    info = info_of([header(0, 1000, 0), header(1, 800, 0)])
+
+    class Client:  # a dash-memd that drops the step between LATEST and its bytes (retention, dashrun rm)
+        def latest(self, job, step=None):
+            return info
+
+        def get_shard_into(self, job, step, rank, views, offset=0):
+            receiving = views  # noqa: F841 (this frame holds them, as a receive in progress does)
+            raise NotFoundError(f"{job} has no committed checkpoint of step {step} with rank {rank}")
+
+    with pytest.raises(NotFoundError, match="no committed checkpoint of step 1"):
+        fetch_state(Client(), "j", None)  # not a BufferError from a mapping that views still pin

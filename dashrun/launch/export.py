@@ -1,7 +1,8 @@
 """``dashrun export``: a committed checkpoint as files that plain torch reads.
 
 Sharded state (DTensors) is exported whole: each tensor assembled from every rank's pieces, so either
-format loads at any world size. Both formats hold one dictionary: every replicated object's state under its
+format loads at any world size; the fetched pieces' memory goes as they are copied, so a sharded state is
+never held twice. Both formats hold one dictionary: every replicated object's state under its
 keyword (``model``, ``optimizer``, ...), each saved rank's own state under
 ``per_rank["<rank>"]`` (``data``, ``$rng``, ...), and ``dashrun`` = {job,
 step, world}. ``torch`` writes one file for ``torch.load`` (``weights_only``
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from dashrun.errors import NotFoundError, ProtocolError, UsageError
+from dashrun.errors import DashError, NotFoundError, ProtocolError, UsageError
 from dashrun.rank import sharded, statetree
 from dashrun.rank.restore import decode_private, decode_replicated, saved_pieces
 from dashrun.util.files import fsync_dir
@@ -52,6 +53,7 @@ def fetch_state(client: MemdClient, job: str, step: int | None,
         state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}
         return info, state
     tails, size = image.layout(info)
+    failure = None
     with mmap.mmap(-1, max(size, 1)) as mapped:
         done = 0
 
@@ -61,22 +63,38 @@ def fetch_state(client: MemdClient, job: str, step: int | None,
             if progress:
                 progress(done, info.nbytes)
 
-        with memoryview(mapped) as view:
-            image.fetch(client, info, view, tails, advance)
-        region = torch.frombuffer(mapped, dtype=torch.uint8)
-        state = decode_replicated(region, mapped, info, tails, copy=True)
-        described = image.meta(mapped, info, tails, 0)["replicated"].get("sharded")
-        if described:  # each sharded tensor whole, from every rank's pieces
-            full = sharded.assemble(described, saved_pieces(mapped, info, tails, described), region, tails)
-            for path, placeholder in list(sharded.sharded_paths(state, statetree.Sharded)):
-                if not 0 <= placeholder.index < len(full):
-                    raise ProtocolError(f"checkpoint of step {info.step} names sharded leaf {placeholder.index} "
-                                        f"of {len(full)}")
-                state = sharded.replace(state, path, full[placeholder.index])
-        state["per_rank"] = {str(r): decode_private(region, mapped, info, tails, r) for r in range(info.world)}
-        del region
+        try:
+            with memoryview(mapped) as view:
+                image.fetch(client, info, view, tails, advance)
+            state = _decode(mapped, info, tails)
+        except DashError as e:  # (the step gone since LATEST, say): raised once the mapping is closed
+            failure = e.with_traceback(None)  # its frames hold views of the mapping, which could not close then
+    if failure is not None:
+        raise failure
     state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}
     return info, state
+
+
+def _decode(mapped: mmap.mmap, info: CheckpointInfo, tails: list[int]) -> dict[str, Any]:
+    """The state in the fetched image ``mapped``, as owned tensors; sharded tensors whole."""
+    region = torch.frombuffer(mapped, dtype=torch.uint8)
+    state = decode_replicated(region, mapped, info, tails, copy=True)
+    described = image.meta(mapped, info, tails, 0)["replicated"].get("sharded")
+    if described:  # each sharded tensor whole, from every rank's pieces, which are let go as they are copied
+        def release(start: int, stop: int) -> None:
+            first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, stop // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first:  # only pages wholly inside the piece: the next piece may share the edge ones
+                mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+        pieces = saved_pieces(mapped, info, tails, described)
+        full = sharded.assemble(described, pieces, region, tails, release)
+        for path, placeholder in list(sharded.sharded_paths(state, statetree.Sharded)):
+            if not 0 <= placeholder.index < len(full):
+                raise ProtocolError(f"checkpoint of step {info.step} names sharded leaf {placeholder.index} "
+                                    f"of {len(full)}")
+            state = sharded.replace(state, path, full[placeholder.index])
+    state["per_rank"] = {str(r): decode_private(region, mapped, info, tails, r) for r in range(info.world)}
+    return state
 
 
 def _plain(tree: Any) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -298,9 +298,10 @@ def dotted(name: str, path: tuple) -> str:
 
 
 def assemble(described: Sequence[Any], saved: Mapping[int, list[SavedPiece]], region: torch.Tensor,
-             tails: Sequence[int]) -> list[torch.Tensor]:
+             tails: Sequence[int], release: Callable[[int, int], None] | None = None) -> list[torch.Tensor]:
     """Every sharded leaf as one full tensor, from all of its saved pieces in the image ``region`` whose saved
-    ranks' private parts start at ``tails`` (``dashrun export``)."""
+    ranks' private parts start at ``tails`` (``dashrun export``). ``release(start, stop)`` is told each range of
+    the image once it is copied, so the image's memory can go as the full tensors grow."""
     full = []
     for index, (dtype_name, shape) in enumerate(described):
         dtype = getattr(torch, dtype_name)
@@ -313,5 +314,7 @@ def assemble(described: Sequence[Any], saved: Mapping[int, list[SavedPiece]], re
             for dim, (offset, size) in enumerate(zip(piece.offsets, piece.sizes)):
                 dest = dest.narrow(dim, offset, size)
             dest.copy_(source)
+            if release is not None:
+                release(start, start + nbytes)
         full.append(tensor)
     return full

@@ -2,7 +2,7 @@
 """Elastic benchmark: from a membership change to the first step at the new world size, dashrun against torchrun.
 
 Three nodes on loopback (addresses 127.0.0.1-3, one rank each), the same
-job (``scripts/elastic_job.py``: a DDP MLP, AdamW) and the same rendezvous
+job (``scripts/elastic_job.py``: a DDP MLP, AdamW; FSDP2 with ``--fsdp``) and the same rendezvous
 settings for both — ``--nnodes 2:3``, ``last_call_timeout``,
 ``keep_alive_interval``, ``keep_alive_max_attempt``, ``join_timeout``,
 ``--max-restarts`` — in one run, rounds interleaved:
@@ -91,7 +91,8 @@ class Round:
         self.system, self.procs, self.args = system, procs, args
         self.out = workdir / "out"
         self.nodes = []
-        job_args = ["--out", str(self.out), "--interval", str(args.interval), "--width", str(args.width)]
+        job_args = ["--out", str(self.out), "--interval", str(args.interval), "--width", str(args.width),
+                    *(["--fsdp"] if args.fsdp else [])]
         rdzv_port = free_port()
         for index, address in enumerate(NODES):
             env = {**bench.child_env(), "BENCH_NODE": address, "OMP_NUM_THREADS": "1"}
@@ -173,6 +174,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024, help="MLP width: 3 layers of width^2 fp32 weights")
     parser.add_argument("--torch-defaults", action="store_true",
                         help="also torchrun with torch's own rendezvous settings (keep-alive 5 s x 3, last call 30 s)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the job's model sharded with FSDP2: a new world size restores resharded (both systems)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     machine = bench.machine()

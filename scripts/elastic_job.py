@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The job ``scripts/bench_elastic.py`` runs on every node: a DDP MLP that checkpoints one of two ways.
+"""The job ``scripts/bench_elastic.py`` runs on every node: an MLP (DDP, or FSDP2 with ``--fsdp``) that checkpoints
+one of two ways.
 
 ``--mode dashrun``: ``dashrun.Checkpointer`` (under ``dashrun``); ``--mode dcp``:
 ``torch.distributed.checkpoint.save`` every ``--interval`` steps into
@@ -36,15 +37,24 @@ def main():
     parser.add_argument("--delay", type=float, default=0.05)
     parser.add_argument("--ckpt-dir", default="")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: sharded state")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(
-        nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
-        nn.Linear(args.width, 1)))
+    model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
+                          nn.Linear(args.width, 1))
+    if args.fsdp:  # every world size shards the state its own way: a restore at a new one reshards
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if args.mode == "dashrun":
         import dashrun

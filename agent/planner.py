@@ -75,7 +75,7 @@ def wanted(info: CheckpointInfo, tails: Sequence[int], ranks: Collection[int] | 
                 continue
             if own:
                 extents.append(Extent(shard.rank, rep, rep + own, tail))
-        if sharded:
+        if sharded and shard.meta_len:
             extents.append(Extent(shard.rank, rep + shard.private_len, shard.nbytes, tail + shard.private_len))
     return extents
 

@@ -252,20 +252,23 @@ def test_fsdp2_saved_on_2_loaded_resharded_on_3_and_1(memd, tmp_path):
         info = client.latest(job)
     assert (info.step, info.world, info.rep_total) == (5, 2, 0)
 
-    # Loaded on 3 ranks (straight from dash-memd), trained on and saved again by those 3 with a process-based
-    # async_save: DCP pickles the Writer into its checkpointing process, which connects to dash-memd itself.
+    # Loaded on 3 ranks (straight from dash-memd: no agent under torchrun), trained on and saved again by those 3
+    # with a process-based async_save: DCP pickles the Writer into its checkpointing process, which connects to
+    # dash-memd itself.
     _torchrun(3, memd, job, tmp_path, "load3", "--load", "5", "--train", "1", "--save", "6", "--async-process")
     for report in _reports(tmp_path, "load3", 3):
-        assert report["transport"] == "memd"
+        assert report["transport"] == "memd" and report["loads"][0]["transport"] == "memd"
         (load,) = report["loads"]
         assert load["differ"] == [] and load["extra"] == 5
         assert 0 < load["bytes_read"] <= 1.2 * load["needed"], load
     with memd.client() as client:
         assert (client.latest(job).step, client.latest(job).world) == (6, 3)
 
-    # Both loaded on 1 rank: 2 -> 1 and 3 -> 1.
-    _torchrun(1, memd, job, tmp_path, "load1", "--load", "5", "--load", "6")
+    # Both loaded on 1 rank under dashrun: 2 -> 1 and 3 -> 1, the reader's ranges read by the node's dash-agent.
+    _run(dashrun_cmd(memd, str(SCRIPT), "--out", str(tmp_path), "--tag", "load1", "--load", "5", "--load", "6",
+                     job=job, nproc=1), "load on 1 rank under dashrun")
     (report,) = _reports(tmp_path, "load1", 1)
     assert [(x["step"], x["differ"], x["extra"]) for x in report["loads"]] == [(5, [], 5), (6, [], 6)]
+    assert {x["transport"] for x in report["loads"]} == {"agent"}
     assert all(x["bytes_read"] <= 1.2 * x["needed"] for x in report["loads"]), report
 

@@ -31,8 +31,11 @@ Transport: :class:`Writer` hands its shard to the node's dash-agent through a
 shared-memory segment when it runs under dashrun (``DASH_AGENT_SOCKET``), and
 otherwise connects to dash-memd itself (``memd=``/``token_file=``, or
 ``DASH_MEMD``/``DASH_TOKEN_FILE``, with ``DASH_NO_TLS``/``DASH_TLS_CA``).
-:class:`Reader` connects to dash-memd itself; dashrun sets those variables
-for its ranks, so under dashrun neither needs an argument. Connections are
+:class:`Reader` reads DCP's metadata from dash-memd, and the items' byte
+ranges through the node's dash-agent under dashrun (one request for all of
+a load's ranges, which the agent reads over several streams into the node's
+image, as a restore's pieces), else from dash-memd itself. dashrun sets
+those variables for its ranks, so under dashrun neither needs an argument. Connections are
 made on first use and never pickled: DCP's process based ``async_save``
 pickles the writer into its checkpointing process.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 import os
 import pickle
 import uuid
@@ -66,7 +67,7 @@ class Reader(Connected, StorageReader):
     closed by the reader). ``bytes_read`` counts the item bytes it fetched.
     """
 
-    _UNPICKLED = ("_client",)
+    _UNPICKLED = ("_client", "_image")
 
     def __init__(self, job: str | None = None, step: int | None = None, memd: str | tuple[str, int] | None = None,
                  token_file: str | os.PathLike | None = None, *, tls: TlsSettings | None = None,
@@ -76,7 +77,11 @@ class Reader(Connected, StorageReader):
             memd = (client.host, client.port)
             token_file = token_file or "-"  # the client holds the token already
             self._client, self._owns_client = client, False
-        self._target = Target.resolve("Reader", job, memd, token_file, tls, use_agent=False)
+        self._target = Target.resolve("Reader", job, memd, token_file, tls, use_agent=client is None)
+        if self._target.memd is None:
+            raise UsageError("dashrun.dcp.Reader does not know where dash-memd is",
+                             hint="pass memd='HOST:PORT' and token_file=..., or run under dashrun (it sets DASH_MEMD)")
+        self._image: tuple[Any, list[int]] | None = None  # (the node's image mapped, each saved rank's tail)
         self.step = None if step is None else step_of(int(step))
         self.info: CheckpointInfo | None = None
         self.metadata: Metadata | None = None
@@ -116,11 +121,68 @@ class Reader(Connected, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        storage = self.metadata.storage_data
+        if self._target.agent_socket is not None:
+            self._image = self._agent_image(self._ranges(plan))
+        try:
+            self._read_items(plan, planner)
+        finally:
+            self._drop_image()
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _ranges(self, plan: LoadPlan) -> list[tuple[int, int, int]]:
+        """(saved rank, start, stop) in its private part of every byte the plan's items read."""
+        ranges = []
         for item in plan.items:
-            where = storage.get(item.storage_index)
-            if where is None:
-                raise ProtocolError(f"{item.storage_index.fqn!r} is not stored in {self.job} step {self.step}")
+            where = self._where(item)
+            if item.type == LoadItemType.BYTE_IO:
+                ranges.append((where.rank, where.start, where.start + where.length))
+                continue
+            md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+            _, windows = self._windows(md, item.storage_index.offset, item.storage_offsets, item.lengths)
+            ranges += [(where.rank, where.start + start, where.start + end) for start, end in windows]
+        return ranges
+
+    def _agent_image(self, ranges: list[tuple[int, int, int]]) -> tuple[Any, list[int]]:
+        """The node's dash-agent reads ``ranges`` from dash-memd into the node's image of this step (one fetch
+        for the node's ranks, over several streams), mapped here."""
+        from dashrun.rank.restore import fetch
+        from dashrun.wire.agent_link import AgentLink
+        from dashrun.wire.agent_messages import RestoreRequest
+
+        rank, local = int(os.environ.get("RANK", "0")), os.environ.get("LOCAL_RANK")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        first = rank - int(local) if local is not None and 0 <= int(local) <= rank else None
+        link = AgentLink(self._target.agent_socket)
+        try:
+            request = RestoreRequest(self.job, self.step, local_world, first, tuple(ranges))
+            reply, frame = fetch(link, request, on_wait=lambda message: None)
+        finally:
+            link.close()
+        try:
+            if not reply.found or reply.checkpoint.committed_at != self.info.committed_at:
+                raise NotFoundError(f"{self.job} step {self.step} went away while it was read",
+                                    hint="load again: the newest checkpoint then")
+            mapped = mmap.mmap(frame.fds[0], os.fstat(frame.fds[0]).st_size, prot=mmap.PROT_READ)
+        finally:
+            frame.close_fds()
+        return mapped, list(reply.tails)
+
+    def _drop_image(self) -> None:
+        if self._image is not None:
+            mapped, self._image = self._image[0], None
+            mapped.close()
+
+    def _where(self, item) -> Where:
+        where = self.metadata.storage_data.get(item.storage_index)
+        if where is None:
+            raise ProtocolError(f"{item.storage_index.fqn!r} is not stored in {self.job} step {self.step}")
+        return where
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        for item in plan.items:
+            where = self._where(item)
             if item.type == LoadItemType.BYTE_IO:
                 data = bytearray(where.length)
                 self._read(where, 0, memoryview(data))
@@ -134,21 +196,14 @@ class Reader(Connected, StorageReader):
                                  f" the tensor to load it into {tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(item, target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     def _read_slice(self, where: Where, md: TensorStorageMetadata, chunk_offsets: Sequence[int],
                     offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
         """The slice ``offsets``/``lengths`` of the stored chunk at ``chunk_offsets``: only its bytes are read."""
-        sizes = next(c.sizes for c in md.chunks if list(c.offsets) == list(chunk_offsets))
-        if len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
-                o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)):
-            raise UsageError(f"a slice {list(offsets)}+{list(lengths)} lies outside the stored chunk {list(sizes)}")
+        sizes, windows = self._windows(md, chunk_offsets, offsets, lengths)
         dtype = md.properties.dtype
-        if math.prod(lengths) == 0:
+        if not windows:
             return torch.empty(tuple(lengths), dtype=dtype)
-        windows = _windows(byte_runs(list(sizes), list(offsets), list(lengths), dtype.itemsize), MAX_GAP)
         first = windows[0][0]
         span = torch.empty(windows[-1][1] - first, dtype=torch.uint8)
         for start, end in windows:
@@ -156,15 +211,31 @@ class Reader(Connected, StorageReader):
         strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
         return span.view(dtype).as_strided(tuple(lengths), strides, 0)
 
+    def _windows(self, md: TensorStorageMetadata, chunk_offsets: Sequence[int], offsets: Sequence[int],
+                 lengths: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """(the stored chunk's sizes, the byte windows of the chunk that hold the slice ``offsets``/``lengths``)."""
+        sizes = next((list(c.sizes) for c in md.chunks if list(c.offsets) == list(chunk_offsets)), None)
+        if sizes is None or len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)):
+            raise UsageError(f"a slice {list(offsets)}+{list(lengths)} lies outside the stored chunk {sizes}")
+        if math.prod(lengths) == 0:
+            return sizes, []
+        return sizes, _windows(byte_runs(sizes, list(offsets), list(lengths), md.properties.dtype.itemsize), MAX_GAP)
+
     def _read(self, where: Where, offset: int, view: memoryview) -> None:
         """Bytes ``[offset, offset + len(view))`` of the item at ``where``, checked to lie within it."""
         if offset < 0 or offset + len(view) > where.length:
             raise ProtocolError("a read outside the item that should hold it")
         if not len(view):
             return
-        shard = self.info.shards[where.rank]
-        self._memd().get_shard_into(self.job, self.step, where.rank, [view],
-                                    offset=shard.rep_end - shard.rep_start + where.start + offset)
+        if self._image is not None:  # the node's dash-agent put it in the image (see _agent_image)
+            mapped, tails = self._image
+            start = tails[where.rank] + where.start + offset
+            view[:] = mapped[start:start + len(view)]
+        else:
+            shard = self.info.shards[where.rank]
+            self._memd().get_shard_into(self.job, self.step, where.rank, [view],
+                                        offset=shard.rep_end - shard.rep_start + where.start + offset)
         self.bytes_read += len(view)
 
 

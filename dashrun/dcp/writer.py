@@ -138,6 +138,7 @@ class Writer(Connected, StorageWriter):
         }
         header = ShardHeader(job=self.job, step=self.step, rank=where.rank, world=where.world, rep_total=0,
                              rep_start=0, rep_end=0, private_len=position, meta_len=0, layout=where.layout,
+                             pieces_len=position,  # every item is read by byte range, never a node's whole part
                              generation=self._target.generation)
         self._pending = (header, parts, description)
         if not self.is_coordinator:  # the coordinator sends its own from finish(), with the global metadata

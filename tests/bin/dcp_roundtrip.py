@@ -111,7 +111,8 @@ def main() -> None:
         opaque = sum(where.length for index, where in md.storage_data.items()
                      if isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata))
         report["loads"].append({"step": step, "differ": differ, "extra": state["extra"]["step"],
-                                "bytes_read": reader.bytes_read, "needed": local_bytes(state) + opaque})
+                                "bytes_read": reader.bytes_read, "needed": local_bytes(state) + opaque,
+                                "transport": "agent" if reader._target.agent_socket else "memd"})
         reader.close()
 
     if args.train:

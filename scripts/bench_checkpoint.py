@@ -1525,7 +1525,8 @@ def run_fsdp(args, procs: Processes, scratch: Path, log) -> int:
         # rank 0 speaks on this terminal (its progress); rank 1 into a log
         extra = {"stdout": None} if rank == 0 else {"log": scratch / f"rank{rank}.log"}
         ranks.append(procs.start(f"rank {rank}", cmd, cwd=REPO, env=env, **extra))
-    deadline = time.monotonic() + max(600.0, 20.0 * args.steps)
+    # Steps take longer as the state grows (the model is the state): the deadline grows with both.
+    deadline = time.monotonic() + max(600.0, 20.0 * args.steps) * max(1.0, args.size_mib / 256)
     while any(p.poll() is None for p in ranks) and not any(p.returncode for p in ranks):
         if time.monotonic() > deadline:
             raise SystemExit("--fsdp: the ranks did not finish in time")

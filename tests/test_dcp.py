@@ -14,10 +14,9 @@ from conftest import dashrun_cmd, kill_tree
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dashrun import dcp as ddcp
-from dashrun.dcp import reader as dcp_reader
 from dashrun.errors import UsageError
 from dashrun.launch import export
-from dashrun.rank.sharded import byte_runs
+from dashrun.rank.sharded import byte_runs, joined
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.tls import TlsSettings
 
@@ -180,7 +179,7 @@ def test_reads_only_the_bytes_it_needs(memd):
     assert torch.equal(band, big[100:104, 512:768])
     assert reader.bytes_read - before == (3 * 1024 + 256) * 4
     # One column: a 4-byte range per row, 4092 bytes apart, more than the gap: none merged.
-    assert dcp_reader._windows(byte_runs([256, 1024], [0, 0], [256, 1], 4), 40) == [(i * 4096, i * 4096 + 4)
+    assert joined(byte_runs([256, 1024], [0, 0], [256, 1], 4), 40) == [(i * 4096, i * 4096 + 4)
                                                                                    for i in range(256)]
 
 

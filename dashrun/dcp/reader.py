@@ -30,7 +30,7 @@ from torch.futures import Future
 from dashrun.dcp.metadata import FORMAT, MAX_META_DEPTH, Where, parse_metadata
 from dashrun.dcp.target import Connected, Target, step_of
 from dashrun.errors import NotFoundError, ProtocolError, UsageError
-from dashrun.rank.sharded import byte_runs
+from dashrun.rank.sharded import byte_runs, joined
 from dashrun.rank.staging import bytes_of
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.wire.memd_client import MemdClient
@@ -42,18 +42,6 @@ __all__ = ["MAX_GAP", "Reader", "describe_dcp", "full_state"]
 #: Gaps of at most this many bytes between the pieces of one item a rank needs are read rather than skipped:
 #: one request instead of many small ones (a column slice of a row-major chunk is one piece per row).
 MAX_GAP = 64 << 10
-
-
-def _windows(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
-    """The runs, those at most ``gap`` apart merged (sorted, as :func:`~dashrun.rank.sharded.byte_runs` makes
-    them)."""
-    merged: list[list[int]] = []
-    for start, end in runs:
-        if merged and start - merged[-1][1] <= gap:
-            merged[-1][1] = end
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
 
 
 class Reader(Connected, StorageReader):
@@ -147,13 +135,13 @@ class Reader(Connected, StorageReader):
     def _agent_image(self, ranges: list[tuple[int, int, int]]) -> tuple[Any, list[int]]:
         """The node's dash-agent reads ``ranges`` from dash-memd into the node's image of this step (one fetch
         for the node's ranks, over several streams), mapped here."""
-        from dashrun.rank.restore import fetch
+        from dashrun.rank.restore import fetch, first_local_rank
         from dashrun.wire.agent_link import AgentLink
         from dashrun.wire.agent_messages import RestoreRequest
 
-        rank, local = int(os.environ.get("RANK", "0")), os.environ.get("LOCAL_RANK")
+        local = os.environ.get("LOCAL_RANK")
+        first = first_local_rank(int(os.environ.get("RANK", "0")), None if local is None else int(local))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        first = rank - int(local) if local is not None and 0 <= int(local) <= rank else None
         link = AgentLink(self._target.agent_socket)
         try:
             request = RestoreRequest(self.job, self.step, local_world, first, tuple(ranges))
@@ -220,7 +208,7 @@ class Reader(Connected, StorageReader):
             raise UsageError(f"a slice {list(offsets)}+{list(lengths)} lies outside the stored chunk {sizes}")
         if math.prod(lengths) == 0:
             return sizes, []
-        return sizes, _windows(byte_runs(sizes, list(offsets), list(lengths), md.properties.dtype.itemsize), MAX_GAP)
+        return sizes, joined(byte_runs(sizes, list(offsets), list(lengths), md.properties.dtype.itemsize), MAX_GAP)
 
     def _read(self, where: Where, offset: int, view: memoryview) -> None:
         """Bytes ``[offset, offset + len(view))`` of the item at ``where``, checked to lie within it."""

@@ -38,7 +38,8 @@ from dashrun.wire.channel import Frame
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.protocol import Kind
 
-__all__ = ["RESTORE_TIMEOUT", "agree", "decode_private", "decode_replicated", "fetch", "load", "report_world_change",
+__all__ = ["RESTORE_TIMEOUT", "agree", "decode_private", "decode_replicated", "fetch", "first_local_rank", "load",
+           "report_world_change",
            "restore_rng", "restore_state", "saved_pieces"]
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,11 @@ def fetch(link: AgentLink, request: RestoreRequest,
         raise UnavailableError("dash-agent sent a malformed restore description") from e
 
 
+def first_local_rank(rank: int, local_rank: int | None) -> int | None:
+    """The first rank of this node, its ranks being numbered in a row (torchrun's LOCAL_RANK); None: unknown."""
+    return rank - local_rank if local_rank is not None and 0 <= local_rank <= rank else None
+
+
 def agree(step: int) -> int:
     """The oldest of the steps the ranks found, so every rank loads the same checkpoint."""
     if not in_process_group() or dist.get_world_size() == 1:
@@ -133,7 +139,7 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
     image holds every saved rank's private state. Pieces of sharded state are asked for by byte range once
     this rank knows which it needs; ``stats`` (if given) is told the bytes of them needed and read.
     """
-    first_rank = rank - local_rank if local_rank is not None and 0 <= local_rank <= rank else None
+    first_rank = first_local_rank(rank, local_rank)
     reply, frame = fetch(link, RestoreRequest(job_id, None, local_world, first_rank), on_wait)
     found_step = reply.checkpoint.step if reply.found else -1
     agreed = agree(found_step)
@@ -166,9 +172,8 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
 
 
 def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
-         job_id: str, rank: int, world: int, owners: Mapping[str, torch.nn.Module] | None = None,
-         read_pieces: Callable[[list[tuple[int, int, int]]], int] | None = None,
-         stats: dict[str, int] | None = None) -> None:
+         job_id: str, rank: int, world: int, read_pieces: Callable[[list[tuple[int, int, int]]], int],
+         owners: Mapping[str, torch.nn.Module] | None = None, stats: dict[str, int] | None = None) -> None:
     """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states.
 
     Module parameters and buffers are copied into the module's own (already allocated) tensors. Other
@@ -248,7 +253,8 @@ def _reshard(described: Sequence[Any], replicated: dict[str, Any], mapped, info:
         places = list(sharded.sharded_paths(tree, statetree.Sharded))
         if not places:
             continue
-        target = sharded.target_state(objects[name], owners.get(name))
+        # Its state as it is now, whose DTensors say which pieces this rank holds; an optimizer's is created here.
+        target = sharded.state_dict_of(objects[name], owners.get(name))
         for path, placeholder in places:
             if not 0 <= placeholder.index < len(described):
                 raise ProtocolError(f"checkpoint of step {info.step} names sharded leaf {placeholder.index} of "
@@ -262,36 +268,19 @@ def _reshard(described: Sequence[Any], replicated: dict[str, Any], mapped, info:
     wanted: dict[int, list[tuple[int, int]]] = {}
     for read in reads:
         wanted.setdefault(read.piece.rank, []).extend(read.runs())
-    ranges = [(r, start, stop) for r, runs in sorted(wanted.items()) for start, stop in _joined(runs)]
-    if read_pieces is None:  # the image holds every piece already (an export)
-        fd = None
-    else:
-        fd = read_pieces(ranges)
+    ranges = [(r, start, stop) for r, runs in sorted(wanted.items()) for start, stop in sharded.joined(runs)]
+    fd = read_pieces(ranges)
     try:
-        size = os.fstat(fd).st_size if fd is not None else len(mapped)
-        view = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE) if fd is not None else mapped
-        region = torch.frombuffer(view, dtype=torch.uint8)
+        region = torch.frombuffer(mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
         for read in reads:
             start = tails[read.piece.rank] + read.piece.at
             read.copy(region[start:start + math.prod(read.piece.sizes) * read.dest.element_size()])
         del region
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
     if stats is not None:
         stats["sharded_needed"] = needed
         stats["sharded_read"] = sum(stop - start for _, start, stop in ranges)
-
-
-def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``runs`` sorted, with those that overlap or touch joined."""
-    out: list[tuple[int, int]] = []
-    for start, stop in sorted(runs):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], stop))
-        else:
-            out.append((start, stop))
-    return out
 
 
 def _populate(mapped: mmap.mmap, nbytes: int) -> None:

@@ -32,8 +32,8 @@ import torch
 
 from dashrun.errors import UsageError
 
-__all__ = ["MAX_RUNS", "Piece", "Read", "SavedPiece", "assemble", "byte_runs", "is_sharded", "load_state",
-           "local_pieces", "owners", "plan_reads", "state_dict_of", "target_state"]
+__all__ = ["MAX_RUNS", "Piece", "Read", "SavedPiece", "assemble", "byte_runs", "is_sharded", "joined", "load_state",
+           "local_pieces", "owners", "plan_reads", "state_dict_of"]
 
 #: Most byte ranges one saved piece is read in; beyond that the smallest range covering them is read.
 MAX_RUNS = 1024
@@ -129,11 +129,6 @@ def state_dict_of(obj: Any, owner: torch.nn.Module | None) -> Any:
     return get_optimizer_state_dict(owner, obj)
 
 
-def target_state(obj: Any, owner: torch.nn.Module | None) -> Any:
-    """``obj``'s state as it is now, whose DTensors say which pieces this rank holds and receive them."""
-    return state_dict_of(obj, owner)  # an optimizer's state is created here, as set_optimizer_state_dict needs
-
-
 def load_state(obj: Any, owner: torch.nn.Module | None, state: Any) -> None:
     if owner is None:
         obj.load_state_dict(state)
@@ -217,6 +212,18 @@ def byte_runs(sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[in
         else:
             runs.append((start, start + block))
     return runs
+
+
+def joined(runs: Sequence[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:
+    """``runs`` sorted, with those that overlap, touch or lie at most ``gap`` bytes apart joined into one (a
+    read of the gap costs less than a request more)."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(runs):
+        if out and start - out[-1][1] <= gap:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 def _chunks_of(target: torch.Tensor):

@@ -79,7 +79,7 @@ from urllib.parse import parse_qs, urlsplit
 log = logging.getLogger("fake_metadata")
 
 CLOUDS = ("aws", "gcp", "azure")
-HOST = "127.0.0.1"  # never anything but loopback
+HOST = "127.0.0.1"  # loopback, unless a test gives the address of a network it made itself
 
 AWS_TOKEN_PATH = "/latest/api/token"
 AWS_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
@@ -233,13 +233,15 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeMetadata:
     """One cloud's metadata service on ``127.0.0.1:port``, controlled from the test that started it.
 
+    ``host``: another local address to listen on, for nodes in network namespaces a test made (the bridge's).
+
     Every control method is thread-safe and takes effect for the next request.
     ``stop()`` releases hanging answers, closes kept-alive connections and joins
     every thread the fake started.
     """
 
     def __init__(self, cloud: str, *, port: int = 0, imdsv2: str = "optional", vm_name: str = "dash-spot-0",
-                 instance_id: str = "i-0a1b2c3d4e5f67890", life_cycle: str = "spot"):
+                 instance_id: str = "i-0a1b2c3d4e5f67890", life_cycle: str = "spot", host: str = HOST):
         if cloud not in CLOUDS:
             raise ValueError(f"cloud must be one of {', '.join(CLOUDS)}, not {cloud!r}")
         if imdsv2 not in ("required", "optional"):
@@ -248,7 +250,7 @@ class FakeMetadata:
             raise ValueError(f"life_cycle must be 'spot' or 'on-demand', not {life_cycle!r}")
         self.cloud, self.imdsv2, self.vm_name = cloud, imdsv2, vm_name
         self.instance_id, self.life_cycle = instance_id, life_cycle
-        self._port = port
+        self._host, self._port = host, port
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # GCP hanging GETs wait on it
         self._stopping = threading.Event()
@@ -275,7 +277,7 @@ class FakeMetadata:
     # -- life cycle ------------------------------------------------------------------------------------
 
     def start(self) -> FakeMetadata:
-        server = _Server((HOST, self._port), _Handler)
+        server = _Server((self._host, self._port), _Handler)
         server.fake = self
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -319,7 +321,7 @@ class FakeMetadata:
     @property
     def url(self) -> str:
         """The base URL a client uses as its metadata endpoint: ``http://127.0.0.1:PORT``."""
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self._host}:{self.port}"
 
     # -- notices ---------------------------------------------------------------------------------------
 

@@ -155,8 +155,8 @@ def nodes():
 def fakes():
     started = []
 
-    def make(cloud: str = "aws") -> FakeMetadata:
-        fake = FakeMetadata(cloud).start()
+    def make(cloud: str = "aws", **kwargs) -> FakeMetadata:
+        fake = FakeMetadata(cloud, **kwargs).start()
         started.append(fake)
         return fake
 
@@ -277,3 +277,49 @@ def test_a_node_cut_off_the_network_the_others_go_on(fleet_factory, memd_factory
     assert worlds(out) == [3, 2]
     assert f"world 3 -> 2: {fleet[2].address} lost" in nodes[0].log() + nodes[1].log()
     assert_each_sample_once(out)
+
+
+def test_a_fleet_in_namespaces_shrinks_grows_and_loses_its_first_node(fleet_factory, memd_factory, nodes, fakes,
+                                                                      tmp_path):
+    """The loopback scenarios above, one after another, with each node in a network namespace of its own and
+    dash-memd in the root one: a notice on one node of three, a replacement that joins, then the node started
+    first (the world's rank 0, holding its store) SIGKILLed with all its processes."""
+    fleet = fleet_factory(4)
+    memd = memd_factory("--listen", f"{fleet.host_address}:0")
+    fake = fakes(host=fleet.host_address)
+    out, job, steps, interval = tmp_path / "out", "fleet", 80, 4
+
+    def node(index: int, *extra: str) -> Node:
+        return Node(memd, job, out, index + 1, steps, *extra, interval=interval, delay=0.3, netns=fleet[index])
+
+    first, second, noticed = node(0, "--cloud", "none"), node(1, "--cloud", "none"), node(2, *watched(fake))
+    nodes += [first, second, noticed]
+    running = lambda: all(n.proc.poll() is None for n in nodes if n is not noticed)  # noqa: E731
+    wait_for(lambda: newest_step(out) >= 4 or not running(), 180, "the three nodes to train")
+    assert worlds(out) == [3], first.log()[-3000:]
+    fake.notice()
+    assert noticed.wait() == PREEMPTED, noticed.log()[-3000:]
+    wait_for(lambda: worlds(out)[-1:] == [2] or not running(), 120, "the two others to go on")
+    joined = node(3, "--cloud", "none")
+    nodes.append(joined)
+    wait_for(lambda: worlds(out) == [3, 2, 3] or not running(), 180, "the new node to be admitted")
+    grown_at = newest_step(out)
+    wait_for(lambda: newest_step(out) >= grown_at + interval + 2 or not running(), 120, "the grown world to train")
+    assert running() and worlds(out) == [3, 2, 3], first.log()[-3000:]
+    killed_after = newest_step(out)
+    first.stop()  # SIGKILL, the launcher's whole session
+    assert second.wait() == 0, second.log()[-3000:]
+    assert joined.wait() == 0, joined.log()[-3000:]
+    assert worlds(out) == [3, 2, 3, 2]
+    assert_redone_at_most(out, steps, interval, killed_after)
+    redone = [step for step, gens in runs_of_steps(out).items() if len(gens) > 1]
+    assert all(step > grown_at for step in redone), f"steps {redone} redone at the notice or the join"
+    console = second.log() + joined.log()
+    assert f"world 3 -> 2: {fleet[2].address} noticed" in second.log()
+    assert f"world 2 -> 3: {fleet[3].address} joined" in second.log()
+    assert f"world 3 -> 2: {fleet[0].address} lost" in console
+    assert_each_sample_once(out)
+    with memd.client() as client:
+        history = client.membership(job)
+    assert [(e.node, e.change) for e in history if e.change != "joined"] == [(fleet[2].address, "left"),
+                                                                             (fleet[0].address, "died")]

@@ -285,6 +285,7 @@ def cluster(tmp_path):
             f"  GlobalKnownHostsFile none\n" for s in started))
         return config
 
+    make.hosts = started  # the Sshd of each host, for a test that takes one away
     yield make
     for sshd in started:
         sshd.stop()
@@ -409,6 +410,39 @@ def test_the_first_host_that_fails_stops_the_others(cluster, memd, tmp_path):
     assert "host hostB failed first (exit code 1)" in stderr
     assert any(line.startswith("[hostB] dashrun: error: rank ") and "failed first (exit code 3)" in line
                for line in stdout.splitlines()), stdout[-3000:]
+    assert wait_for(lambda: not leftovers(str(tmp_path)), 30, "no processes of the job left") is True
+
+
+@needs_sshd
+@pytest.mark.slow
+def test_a_host_lost_from_an_elastic_job_is_a_shrink(cluster, memd, tmp_path):
+    """--nnodes 1:2 over SSH: hostB's sshd is SIGKILLed with everything its session runs, as a host taken away
+    is; hostA goes on alone from the newest checkpoint and the job ends well."""
+    from test_elastic import ELASTIC_TRAIN, assert_each_sample_once, assert_redone_at_most, newest_step, worlds
+
+    ssh_config = cluster()
+    out, steps, interval = tmp_path / "out", 40, 4
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dashrun", "--hostfile", str(write_hostfile(tmp_path, "hostA\nhostB\n")),
+         "--ssh-config", str(ssh_config), "--memd", memd.address, "--token-file", str(memd.token_file),
+         "--job-id", "lose-a-host", "--nnodes", "1:2", "--monitor-interval", "0.1", str(ELASTIC_TRAIN),
+         "--out", str(out), "--steps", str(steps), "--interval", str(interval), "--delay", "0.2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for(lambda: newest_step(out) >= 9 or proc.poll() is not None, 120, "both hosts to train")
+        assert proc.poll() is None and worlds(out) == [2], proc.communicate()
+        lost_after = newest_step(out)
+        kill_tree(cluster.hosts[1].proc)  # hostB, and every process of its session
+        stdout, stderr = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert worlds(out) == [2, 1]
+    assert_redone_at_most(out, steps, interval, lost_after)
+    assert_each_sample_once(out)
+    assert any("world 2 -> 1: " in line and " lost" in line for line in (stdout + stderr).splitlines()), stdout[-3000:]
     assert wait_for(lambda: not leftovers(str(tmp_path)), 30, "no processes of the job left") is True
 
 

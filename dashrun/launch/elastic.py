@@ -35,6 +35,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from typing import Callable
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -113,8 +114,9 @@ class DashElasticAgent(LocalElasticAgent):
             self._record(MembershipEvent(time.time(), me, "joined", "started", len(now.nodes), now.generation, step,
                                          None))
             return
-        gone = [n for n in before.nodes if n not in now.nodes]
-        came = [n for n in now.nodes if n not in before.nodes]
+        # As multisets: two nodes may share a name (a host name by default), and one of them leaving is a change.
+        gone = list((Counter(before.nodes) - Counter(now.nodes)).elements())
+        came = list((Counter(now.nodes) - Counter(before.nodes)).elements())
         if not gone and not came:
             return  # the same nodes again (the ranks failed and were restarted): no change to tell
         left = self._left_by_notice(before.generation)
@@ -122,7 +124,7 @@ class DashElasticAgent(LocalElasticAgent):
         at = f"step {step} committed" if step is not None else "no step committed yet"
         print(f"dashrun: world {len(before.nodes)} -> {len(now.nodes)}: {why}, {at}, continuing", file=sys.stderr,
               flush=True)
-        survivors = [n for n in now.nodes if n in before.nodes]
+        survivors = list((Counter(now.nodes) & Counter(before.nodes)).elements())
         if survivors and survivors[0] == me:  # one node records what the survivors saw
             for node in gone:
                 if node not in left:

@@ -323,3 +323,29 @@ def test_a_fleet_in_namespaces_shrinks_grows_and_loses_its_first_node(fleet_fact
         history = client.membership(job)
     assert [(e.node, e.change) for e in history if e.change != "joined"] == [(fleet[2].address, "left"),
                                                                              (fleet[0].address, "died")]
+
+
+def test_dash_memd_killed_mid_job_the_rendezvous_comes_back_with_it(memd, nodes, tmp_path):
+    """dash-memd serves the rendezvous: killed and started again on its port while two nodes train, the job
+    goes on in the same world, and a node that comes after is admitted into it through the restarted one."""
+    out, job, steps, interval = tmp_path / "out", "memd-restart", 60, 4
+    nodes += [Node(memd, job, out, index, steps, "--cloud", "none", interval=interval, delay=0.25)
+              for index in (1, 2)]
+    wait_for(lambda: newest_step(out) >= 6 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the two nodes to train")
+    assert worlds(out) == [2], nodes[0].log()[-3000:]
+    memd.kill()  # SIGKILL: what it had only in RAM is gone; its rendezvous state is on disk
+    restarted_after = newest_step(out)
+    memd.start(port=memd.port)
+    wait_for(lambda: newest_step(out) >= restarted_after + interval + 1 or any(n.proc.poll() is not None
+                                                                              for n in nodes), 120,
+             "the job to go on")
+    nodes.append(Node(memd, job, out, 3, steps, "--cloud", "none", interval=interval, delay=0.25))
+    for node in nodes:
+        assert node.wait() == 0, node.log()[-3000:]
+    assert worlds(out) == [2, 3]
+    assert "world 2 -> 3: 127.0.0.3 joined" in nodes[0].log()
+    assert_redone_at_most(out, steps, interval, restarted_after)
+    assert_each_sample_once(out)
+    with memd.client() as client:
+        assert client.latest(job).step >= steps - interval

@@ -44,6 +44,7 @@ def train(memd, out: Path, job: str, nproc: int, *args: str, dump: Path | None =
 def assert_same_full_state(saved: dict, restored: dict, where: str) -> None:
     """Every parameter's and optimizer state's full tensor, the param groups and the scheduler, exactly equal."""
     # Not vacuous: the saving run had optimizer state for every parameter (Adam's step, exp_avg, exp_avg_sq).
+    saved, restored = without_buffers(saved), without_buffers(restored)
     params = [k for k in saved if k.startswith("param/")]
     assert params and all(f"optim/{k[len('param/'):]}/exp_avg_sq" in saved for k in params), sorted(saved)
     assert saved.keys() == restored.keys(), f"{where}: keys differ: {sorted(saved.keys() ^ restored.keys())}"
@@ -58,6 +59,24 @@ def assert_same_full_state(saved: dict, restored: dict, where: str) -> None:
             assert got == value, f"{where}: {key}: {got!r} != {value!r}"
 
 
+def without_buffers(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not k.startswith("buffer/")}
+
+
+def assert_buffers_restored(saved: dict, restored: dict, nproc: int, where: str) -> None:
+    """The buffers rule: a plain buffer of a sharded model is each rank's own; a rank new to the world gets
+    rank 0's."""
+    names = {k.rsplit("/", 1)[0] for k in saved if k.startswith("buffer/")}
+    assert names == {"buffer/seen"}, sorted(saved)
+    saved_ranks = sum(1 for k in saved if k.startswith("buffer/seen/"))
+    for name in names:
+        assert any(not torch.equal(saved[f"{name}/rank0"], saved[f"{name}/rank{r}"]) for r in range(saved_ranks)), (
+            "the ranks' buffers were all the same")
+        for rank in range(nproc):
+            own = saved[f"{name}/rank{rank if rank < saved_ranks else 0}"]
+            assert torch.equal(restored[f"{name}/rank{rank}"], own), f"{where}: {name} of rank {rank}"
+
+
 def restore_elsewhere(memd, tmp_path: Path, job: str, saved: dict, nproc: int, *args: str) -> None:
     """Restore ``job`` with ``nproc`` ranks and ``args`` (the mode, the shapes): exactly the saved state."""
     where = f"{nproc} ranks, {' '.join(args)}"
@@ -68,7 +87,9 @@ def restore_elsewhere(memd, tmp_path: Path, job: str, saved: dict, nproc: int, *
     for rank in range(nproc):  # each rank read its pieces by byte range: not every saved rank's whole
         stats = json.loads((out / f"restore-rank{rank}.json").read_text())
         assert 0 < stats["sharded_read"] <= 1.2 * stats["sharded_needed"], f"{where}, rank {rank}: {stats}"
-    assert_same_full_state(saved, torch.load(dump, weights_only=False), where)
+    restored = torch.load(dump, weights_only=False)
+    assert_same_full_state(saved, restored, where)
+    assert_buffers_restored(saved, restored, nproc, where)
 
 
 def save_for_restore(memd, tmp_path: Path, job: str, nproc: int, *args: str) -> dict:

@@ -53,7 +53,7 @@ def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails:
     """The state every rank held alike, from a restore image; ``copy=False`` gives views into it.
 
     Module buffers are saved rank ``rank``'s where it kept its own
-    (DDP with ``broadcast_buffers=False``), rank 0's otherwise.
+    (DDP with ``broadcast_buffers=False``, a sharded model), rank 0's otherwise.
     """
     rep = image.meta(mapped, info, tails, 0)["replicated"]
     state = statetree.unflatten(rep["tree"], statetree.materialize(rep["tensors"], region[:info.rep_total],

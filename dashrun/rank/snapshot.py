@@ -15,8 +15,9 @@ rank: each rank updates them in its own forward pass. They leave the
 replicated state (their keys stay, holding None, so the state dict keeps its
 order) and go to the private state under :data:`BUFFERS`: rank 0's only —
 the rank DDP broadcasts buffers from, and the safe choice for a module
-without DDP — unless the module is a ``DistributedDataParallel`` with
-``broadcast_buffers=False``, whose buffers every rank saves as its own.
+without DDP — unless nothing makes them alike again: a
+``DistributedDataParallel`` with ``broadcast_buffers=False``, or a sharded
+model (FSDP2, tensor parallel), whose buffers every rank saves as its own.
 """
 
 from __future__ import annotations
@@ -137,9 +138,12 @@ def stable_storages(objects: Mapping[str, Any]) -> set[int]:
 
 
 def buffers_per_rank(module: torch.nn.Module) -> bool:
-    """Whether every rank keeps its own buffers of ``module``: DDP that does not broadcast them."""
-    return (isinstance(module, torch.nn.parallel.DistributedDataParallel)
-            and not getattr(module, "broadcast_buffers", True))
+    """Whether every rank keeps its own buffers of ``module``: nothing makes them alike at the next forward —
+    DDP that does not broadcast them, or a sharded model (FSDP2, tensor parallel), whose plain buffers each rank
+    updates alone."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return not getattr(module, "broadcast_buffers", True)
+    return any(sharded.is_sharded(p) for p in module.parameters())
 
 
 #: Each module's buffer names, with the state_dict keys they were found for: walking every submodule in each

@@ -2,10 +2,11 @@
 
 Run under ``dashrun`` (or plain torchrun, where the Checkpointer is off), gloo on CPU. Like tests/bin/train.py,
 every rank appends ``start <step>`` and ``<step> <loss>`` to ``OUT/rank<R>.log`` and at the end writes its state
-(its local shards, optimizer state, scheduler, data cursor, RNG states) to ``OUT/final-rank<R>.pt``, so that
-tests/runs.py compares runs bit for bit. ``--dump PATH`` also writes, from rank 0, every parameter's and optimizer
-state's ``full_tensor()`` as the run ends: after ``restore()`` when no step is left to run, so a test compares
-what a resharded restore gave back with what was saved, whatever the world size or mesh.
+(its local shards, buffers, optimizer state, scheduler, data cursor, RNG states) to ``OUT/final-rank<R>.pt``, so
+that tests/runs.py compares runs bit for bit. ``--dump PATH`` also writes, from rank 0, every parameter's and
+optimizer state's ``full_tensor()``, and every rank's buffers, as the run ends: after ``restore()`` when no step is
+left to run, so a test compares what a resharded restore gave back with what was saved, whatever the world size or
+mesh.
 
 The model is a stack of residual MLP blocks (``width -> dim -> width``); ``--dim`` not divisible by the world size
 gives uneven shards. ``--mode``:
@@ -14,6 +15,9 @@ gives uneven shards. ``--mode``:
 * ``hsdp``: the same over a 2-D mesh (``replicate``, ``shard``) of (world / 2, 2);
 * ``tp``: a 1-D mesh, ``ColwiseParallel`` on each block's ``up``, ``RowwiseParallel`` on its ``down``;
 * ``tp2d``: a (world / 2, 2) mesh named (``dp``, ``tp``): tensor parallel on ``tp``, ``fully_shard`` on ``dp``.
+
+The buffer ``seen`` sums the batches this rank's replica saw, so it differs between data-parallel replicas, as
+BatchNorm's statistics do without DDP's broadcast.
 
 The parameter names are the same in every mode, so a checkpoint of one can be restored by another.
 """
@@ -52,6 +56,8 @@ class Net(nn.Module):
     def __init__(self, width, dim, depth=2):
         super().__init__()
         self.blocks = nn.ModuleList(Block(width, dim) for _ in range(depth))
+        # A plain (non-DTensor) buffer, as BatchNorm's statistics: sharding leaves it whole on every rank.
+        self.register_buffer("seen", torch.zeros(width))
 
     def forward(self, x):
         for block in self.blocks:
@@ -133,8 +139,13 @@ def full(value):
 
 
 def dump(model, opt, sched, rank, path):
-    """Every parameter's and optimizer state's full tensor, by parameter name, written by rank 0."""
+    """Every parameter's and optimizer state's full tensor, by parameter name, and every rank's buffers
+    (``buffer/<name>/rank<R>``), written by rank 0."""
     out = {}
+    for name, b in model.named_buffers():
+        gathered = [torch.empty_like(b) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, b.detach().clone())
+        out.update({f"buffer/{name}/rank{r}": t for r, t in enumerate(gathered)})
     for name, p in model.named_parameters():
         out[f"param/{name}"] = full(p)
         for key, value in sorted(opt.state.get(p, {}).items()):
@@ -185,6 +196,7 @@ def main():
             loss.backward()
             opt.step()
             sched.step()
+            model.seen.add_(x.mean(0))
             ckpt.save(step)
             log.write(f"{step} {loss.item():.10f}\n")
             log.flush()

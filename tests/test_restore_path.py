@@ -169,6 +169,15 @@ def test_extent_split_covers_the_range_in_order():
     assert all(p.at - extent.at == p.start - extent.start for p in pieces)
 
 
+def test_a_client_kept_past_dash_memds_idle_timeout_reconnects_by_itself(memd_factory):
+    memd = memd_factory("--idle-timeout", "0.5")
+    with memd.client() as client:
+        assert client.ping()
+        wait_for(lambda: not client.idle_and_open(), 10, "dash-memd to close the idle connection")
+        assert client.ping()  # not an error: the closed connection is replaced before the request
+        assert client.latest("nothing") is None
+
+
 def test_the_agent_keeps_its_connections_to_dash_memd_between_restores_but_not_dead_ones(memd):
     made = []
 

@@ -2,7 +2,9 @@
 
 Used by dash-agent (shards in, restores out) and by the ``dashrun``
 commands. A broken connection is dropped and the next request reconnects;
-retrying is the caller's decision.
+retrying is the caller's decision. A connection dash-memd closed while it was
+idle (its ``--idle-timeout``, or a restart) is found before a request is sent
+on it, and replaced: a client kept between uses never fails for that.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class MemdClient:
         return not readable
 
     def _channel(self) -> Channel:
+        if self._ch is not None and not self.idle_and_open():  # dash-memd closed it while it idled
+            self.close()
         if self._ch is None:
             sock = connect(self.host, self.port, self.tls, timeout=self.timeout, connect_timeout=self.connect_timeout)
             ch = Channel(sock)

@@ -142,8 +142,12 @@ class NoticeBoard:
             self._group = (dist.group.WORLD if dist.get_backend() == "gloo"
                            else dist.new_group(backend="gloo"))  # collective: every rank, first save()
         local = self._local()
-        self._flag = torch.tensor([float(local.level), -(local.deadline or _NO_DEADLINE), float(starved),
-                                   float(local.reshape)], dtype=torch.float64)
+        self.settle()  # (agree() did, at the start of this save())
+        if self._flag is None:
+            self._flag = torch.zeros(4, dtype=torch.float64)
+        # Into the same tensor each time (agree() has waited for the last all-reduce of it): inside save(),
+        # filling a numpy view costs a tenth of a new tensor.
+        self._flag.numpy()[:] = (local.level, -(local.deadline or _NO_DEADLINE), starved, local.reshape)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 
     def _local(self) -> Agreement:

@@ -365,8 +365,10 @@ class RankConnection:
                 with lease:  # our own descriptor: the cache may drop the image while we send it
                     reply = RestoreReply(found=True, checkpoint=lease.info, tails=tuple(lease.tails))
                     self.reply(request_id, reply.to_body(), fds=[lease.fd])
-                # A rank restoring sharded state asks again for its pieces: the image stays for that.
-                if request.ranges is not None or not any(s.pieces_len for s in lease.info.shards):
+                # A rank restoring sharded state asks again for its pieces (in several requests if they are
+                # many): the image stays for that.
+                if (request.ranges is not None and not request.more) or not any(s.pieces_len
+                                                                                 for s in lease.info.shards):
                     self.agent.restores.handed_out(lease.image, request.local_ranks)
         except DashError as e:
             self.reply_error(request_id, e)

@@ -183,6 +183,30 @@ def test_reads_only_the_bytes_it_needs(memd):
                                                                                    for i in range(256)]
 
 
+def test_more_ranges_than_one_request_holds_are_read_in_batches_into_one_image(memd, agent_factory, monkeypatch):
+    """Under dashrun the node's dash-agent reads a load's ranges; more than MAX_RANGES go in several requests,
+    all into the same image, which the agent keeps until the last."""
+    from dashrun.rank import restore
+
+    state = {f"t{i}": torch.full((8, 8), float(i)) for i in range(40)}  # 40 items: 40 ranges
+    dcp.save(state, checkpoint_id=1, storage_writer=_writer(memd, "dcp-batches"), no_dist=True)
+    agent = agent_factory(memd)
+    for var, value in (("DASH_MEMD", memd.address), ("DASH_TOKEN_FILE", str(memd.token_file)),
+                       ("DASH_AGENT_SOCKET", str(agent.socket_path))):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(restore, "MAX_RANGES", 16)  # the rank's batches (dash-agent takes up to 16384 at once)
+    requests = []
+    fetch = restore.fetch
+    monkeypatch.setattr(restore, "fetch", lambda link, request, on_wait: requests.append(request) or fetch(
+        link, request, on_wait))
+    loaded = _zeros_like(state)
+    reader = ddcp.Reader("dcp-batches", tls=_tls(memd))
+    dcp.load(loaded, checkpoint_id=1, storage_reader=reader, no_dist=True)
+    _assert_equal(state, loaded)
+    assert [(len(r.ranges), r.more) for r in requests] == [(16, True), (16, True), (8, False)]
+    assert reader.bytes_read == sum(t.nbytes for t in state.values())
+
+
 def test_bad_checkpoint_ids_and_missing_settings(memd, monkeypatch):
     writer = _writer(memd, "dcp-bad")
     with pytest.raises(UsageError, match="names no step"):

@@ -133,6 +133,10 @@ def test_a_restore_request_carries_its_ranges_and_an_empty_list_is_not_none():
     assert RestoreRequest.from_body(request.to_body()) == request
     assert RestoreRequest.from_body(RestoreRequest("j", 4, ranges=()).to_body()).ranges == ()
     assert RestoreRequest.from_body(RestoreRequest("j", 4).to_body()).ranges is None
+    batch = RestoreRequest("j", 4, 2, 0, ((1, 0, 64),), more=True)
+    assert RestoreRequest.from_body(batch.to_body()) == batch
+    with pytest.raises(ProtocolError, match="'more'"):
+        RestoreRequest.from_body({**batch.to_body(), "more": 1})
 
 
 @pytest.fixture

@@ -135,7 +135,7 @@ class Reader(Connected, StorageReader):
     def _agent_image(self, ranges: list[tuple[int, int, int]]) -> tuple[Any, list[int]]:
         """The node's dash-agent reads ``ranges`` from dash-memd into the node's image of this step (one fetch
         for the node's ranks, over several streams), mapped here."""
-        from dashrun.rank.restore import fetch, first_local_rank
+        from dashrun.rank.restore import fetch_ranges, first_local_rank
         from dashrun.wire.agent_link import AgentLink
         from dashrun.wire.agent_messages import RestoreRequest
 
@@ -145,7 +145,7 @@ class Reader(Connected, StorageReader):
         link = AgentLink(self._target.agent_socket)
         try:
             request = RestoreRequest(self.job, self.step, local_world, first, tuple(ranges))
-            reply, frame = fetch(link, request, on_wait=lambda message: None)
+            reply, frame = fetch_ranges(link, request, on_wait=lambda message: None)
         finally:
             link.close()
         try:

@@ -14,6 +14,7 @@ rank 0's (every rank of a node has every saved rank's part in the image).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import mmap
@@ -33,7 +34,7 @@ from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
 from dashrun.wire import image
 from dashrun.wire.agent_link import AgentLink
-from dashrun.wire.agent_messages import RestoreReply, RestoreRequest
+from dashrun.wire.agent_messages import MAX_RANGES, RestoreReply, RestoreRequest
 from dashrun.wire.channel import Frame
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.protocol import Kind
@@ -87,6 +88,21 @@ def restore_rng(state: dict[str, Any]) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def fetch_ranges(link: AgentLink, request: RestoreRequest,
+                 on_wait: Callable[[str], None]) -> tuple[RestoreReply, Frame]:
+    """:func:`fetch` of a request with ranges, in requests of at most MAX_RANGES each, every one but the last
+    with ``more``: the agent reads each batch into the same image, and the last reply's descriptor holds them
+    all (or says the image is gone)."""
+    ranges = request.ranges or ()
+    batches = [ranges[i:i + MAX_RANGES] for i in range(0, len(ranges), MAX_RANGES)] or [()]
+    for batch in batches[:-1]:
+        reply, frame = fetch(link, dataclasses.replace(request, ranges=batch, more=True), on_wait)
+        if not reply.found:
+            return reply, frame
+        frame.close_fds()
+    return fetch(link, dataclasses.replace(request, ranges=batches[-1]), on_wait)
 
 
 def fetch(link: AgentLink, request: RestoreRequest,
@@ -156,7 +172,8 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
 
     def read_pieces(ranges: list[tuple[int, int, int]]) -> int:
         """The image again, with ``ranges`` of saved ranks' private parts in place (a descriptor to close)."""
-        more, again = fetch(link, RestoreRequest(job_id, step, local_world, first_rank, tuple(ranges)), on_wait)
+        more, again = fetch_ranges(link, RestoreRequest(job_id, step, local_world, first_rank, tuple(ranges)),
+                                   on_wait)
         if not more.found or more.checkpoint.committed_at != reply.checkpoint.committed_at:
             again.close_fds()
             raise UnavailableError(f"checkpoint of step {step} went away while it was restored",

@@ -35,8 +35,9 @@ from dashrun.errors import UsageError
 __all__ = ["MAX_RUNS", "Piece", "Read", "SavedPiece", "assemble", "byte_runs", "is_sharded", "joined", "load_state",
            "local_pieces", "owners", "plan_reads", "state_dict_of"]
 
-#: Most byte ranges one saved piece is read in; beyond that the smallest range covering them is read.
-MAX_RUNS = 1024
+#: Most byte ranges one saved piece is read in (a column band of a row-major piece is a range per row); beyond
+#: that the smallest range covering them is read. A restore sends any number of them, in batches.
+MAX_RUNS = 16384
 
 
 def is_sharded(value: Any) -> bool:

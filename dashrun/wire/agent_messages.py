@@ -128,7 +128,9 @@ class RestoreRequest:
 
     ``ranges``: byte ranges ``(saved rank, start, stop)`` of saved ranks' private parts that the rank needs
     besides, read into their place in the same image: its pieces of sharded state. A rank restoring sharded
-    state asks twice, the second time with its ranges (perhaps none); None: not such a second request.
+    state asks twice, the second time with its ranges (perhaps none); None: not such a second request. More
+    than :data:`MAX_RANGES` go in several requests, every one but the last with ``more``: the image stays for
+    the next (it is not yet the rank's).
     """
 
     job: str
@@ -136,6 +138,7 @@ class RestoreRequest:
     local_ranks: int = 1
     first_rank: int | None = None
     ranges: tuple[tuple[int, int, int], ...] | None = None
+    more: bool = False
 
     @property
     def ranks(self) -> range | None:
@@ -145,6 +148,8 @@ class RestoreRequest:
         body = {"job": self.job, "step": self.step, "local_ranks": self.local_ranks, "first_rank": self.first_rank}
         if self.ranges is not None:
             body["ranges"] = [list(r) for r in self.ranges]
+        if self.more:
+            body["more"] = True
         return body
 
     @classmethod
@@ -164,7 +169,7 @@ class RestoreRequest:
         return cls(job=field_job(body), step=field_step(body) if body.get("step") is not None else None,
                    local_ranks=field_int(body, "local_ranks", 1, MAX_WORLD, default=1),
                    first_rank=None if first is None else field_int(body, "first_rank", 0, MAX_WORLD),
-                   ranges=None if ranges is None else tuple(ranges))
+                   ranges=None if ranges is None else tuple(ranges), more=field_bool(body, "more", default=False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,9 +160,12 @@ def test_fsdp_saved_on_2_ranks_restored_on_1_3_and_4_and_exported_whole(memd, tm
     assert all(torch.equal(loaded["model"][name], value) for name, value in params.items())
 
 
-def test_tp_on_a_2d_mesh_of_4_restored_on_a_1d_tp_mesh_of_2(memd, tmp_path):
+def test_tp_on_a_2d_mesh_of_4_restored_on_1d_tp_meshes_of_2_and_4(memd, tmp_path):
     saved = save_for_restore(memd, tmp_path, "tp2d", 4, "--mode", "tp2d")
     restore_elsewhere(memd, tmp_path, "tp2d", saved, 2, "--mode", "tp")
+    # At tensor-parallel degree 4, a row-wise weight's piece here is a column band of each saved one: a byte
+    # range per row, still no more bytes read than needed.
+    restore_elsewhere(memd, tmp_path, "tp2d", saved, 4, "--mode", "tp")
 
 
 def test_uneven_shards_restored_on_fsdp_and_hsdp(memd, tmp_path):

@@ -207,6 +207,18 @@ def test_more_ranges_than_one_request_holds_are_read_in_batches_into_one_image(m
     assert reader.bytes_read == sum(t.nbytes for t in state.values())
 
 
+def test_a_checkpointer_told_to_restore_a_dcp_written_step_says_how_to_load_it(memd, agent_factory, rank_env):
+    dcp.save({"model": {"weight": torch.ones(4)}}, checkpoint_id=5, storage_writer=_writer(memd, "dcp-ckpt"),
+             no_dist=True)
+    ckpt = rank_env(agent_factory(memd), "dcp-ckpt", 0, 1, model=torch.nn.Linear(2, 2))
+    try:
+        with pytest.raises(UsageError, match="step 5 of job dcp-ckpt was written by dcp.save") as caught:
+            ckpt.restore()
+        assert "storage_reader=dashrun.dcp.Reader()" in caught.value.hint
+    finally:
+        ckpt.close()
+
+
 def test_bad_checkpoint_ids_and_missing_settings(memd, monkeypatch):
     writer = _writer(memd, "dcp-bad")
     with pytest.raises(UsageError, match="names no step"):

@@ -208,6 +208,11 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
     _populate(mapped, info.rep_total)
     region = torch.frombuffer(mapped, dtype=torch.uint8)
+    if "dcp" in image.meta(mapped, info, tails, 0):
+        raise UsageError(f"checkpoint of step {info.step} of job {job_id} was written by dcp.save through "
+                         "dashrun.dcp.Writer, not by a Checkpointer",
+                         hint=f"load it with dcp.load(state, checkpoint_id={info.step}, "
+                              "storage_reader=dashrun.dcp.Reader())")
     replicated = decode_replicated(region, mapped, info, tails, copy=False, rank=rank)
     private = decode_private(region, mapped, info, tails, rank) if rank < info.world else None
     report_world_change(info, rank, world, per_rank)

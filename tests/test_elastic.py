@@ -111,12 +111,12 @@ class Node:
     """One node's dashrun, as its boot script would start it."""
 
     def __init__(self, memd, job: str, out: Path, index: int, steps: int, *extra: str, nnodes: str = "2:3",
-                 delay: float = 0.15, interval: int = 4, netns=None):
+                 delay: float = 0.15, interval: int = 4, netns=None, script: tuple[str, ...] = ()):
         self.name = netns.address if netns is not None else f"127.0.0.{index}"
         cmd = dashrun_cmd(memd, "--nnodes", nnodes, "--local-addr", self.name, "--monitor-interval", "0.1", *extra,
                           str(ELASTIC_TRAIN), "--out", str(out), "--steps", str(steps), "--samples", str(SAMPLES),
                           "--global-batch", str(GLOBAL_BATCH), "--interval", str(interval), "--delay", str(delay),
-                          job=job, nproc=1)
+                          *script, job=job, nproc=1)
         self.log_path = out.parent / f"node-{index}.err"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(netns.command(cmd) if netns is not None else cmd, stdout=subprocess.DEVNULL,
@@ -195,6 +195,45 @@ def test_a_notice_on_one_node_of_three_shrinks_the_world_and_loses_no_step(memd,
     membership = json.loads((out / "membership.json").read_text())  # ckpt.membership, as rank 0 ended with it
     assert membership["nodes"] == ["127.0.0.1", "127.0.0.2"] and membership["generation"] > 0
     assert ("127.0.0.3", "left") in [(e["node"], e["change"]) for e in membership["history"]]
+
+
+def test_a_notice_on_every_node_ends_the_job_with_75_and_loses_no_step(memd, nodes, fakes, tmp_path):
+    out, job = tmp_path / "out", "all-noticed"
+    fake = fakes()  # one metadata service for both nodes: the notice reaches them at once
+    nodes += [Node(memd, job, out, index, 1000, *watched(fake), nnodes="1:2") for index in (1, 2)]
+    wait_for(lambda: newest_step(out) >= 4 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the two nodes to train")
+    fake.notice()
+    for node in nodes:  # promptly: no exit barrier, no waiting for nodes that will not come
+        assert node.wait(60) == PREEMPTED, node.log()[-3000:]
+    last = newest_step(out)
+    with memd.client() as client:
+        assert client.latest(job).step == last  # the emergency checkpoint holds the last step done
+    assert_no_step_twice(out, last + 1)
+    assert worlds(out) == [2]
+
+
+def test_a_change_of_members_uses_up_no_restart_a_ranks_own_failure_does(memd, nodes, fakes, tmp_path):
+    """--max-restarts 1: a notice shrinks the world (no restart used), then a rank's own bug on another node
+    fails it once: restarted, which uses the one restart, and the job still ends well."""
+    out, job, steps, interval = tmp_path / "out", "restarts", 40, 4
+    fake = fakes()
+    fail = ("--fail-once-at", "20")
+    nodes += [Node(memd, job, out, 1, steps, "--cloud", "none", "--max-restarts", "1", delay=0.2, script=fail),
+              Node(memd, job, out, 2, steps, "--cloud", "none", "--max-restarts", "1", delay=0.2),
+              Node(memd, job, out, 3, steps, *watched(fake), "--max-restarts", "1", delay=0.2)]
+    wait_for(lambda: newest_step(out) >= 4 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the three nodes to train")
+    fake.notice()
+    assert nodes[2].wait() == PREEMPTED, nodes[2].log()[-3000:]
+    assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
+    assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
+    assert (out / "failed-once").exists()
+    shrunk_at = min(r.step for r in records(out) if r.world == 2)
+    assert shrunk_at < 20, "the rank failed before the world shrank"
+    assert "1/1 restarts left" in nodes[0].log(), nodes[0].log()[-3000:]
+    assert_redone_at_most(out, steps, interval, 20)
+    assert_each_sample_once(out)
 
 
 def test_the_first_node_killed_outright_the_others_go_on(memd, nodes, tmp_path):

@@ -30,6 +30,8 @@ def main():
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep per step")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--fail-once-at", type=int, default=None,
+                        help="the rank fails (exit 3) on reaching this step, the first time only: a bug of its own")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -58,6 +60,9 @@ def main():
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+                if step == args.fail_once_at and not os.path.exists(os.path.join(args.out, "failed-once")):
+                    open(os.path.join(args.out, "failed-once"), "w").close()
+                    os._exit(3)
                 # Logged before save(): on a world change a staying rank ends inside save(), its step committed.
                 log.write(f"{step} {epoch} {world} {generation} {','.join(map(str, batch.tolist()))}\n")
                 log.flush()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dashrun.agent.planner import pieces, wanted
-from dashrun.errors import ProtocolError, UsageError
+from dashrun.errors import ProtocolError, UnavailableError, UsageError
 from dashrun.rank import sharded, statetree
 from dashrun.wire import image
 from dashrun.wire.agent_messages import MAX_RANGES, RestoreRequest
@@ -220,3 +220,37 @@ def test_an_export_of_a_step_gone_while_it_is_read_says_so_and_lets_go_of_its_me
 
     with pytest.raises(NotFoundError, match="no committed checkpoint of step 1"):
         fetch_state(Client(), "j", None)  # not a BufferError from a mapping that views still pin
+
+
+def test_ranges_in_batches_are_read_again_when_the_image_they_went_into_is_replaced(monkeypatch):
+    """The agent restarted (or the image expired) between two batches: the last image lacks the first batch's
+    ranges, so every batch is sent again, into one image."""
+    import os
+
+    from dashrun.rank import restore
+    from dashrun.wire.agent_messages import RestoreReply
+    from dashrun.wire.channel import Frame
+    from dashrun.wire.protocol import Kind
+
+    monkeypatch.setattr(restore, "MAX_RANGES", 2)
+    first, second = os.memfd_create("image-a"), os.memfd_create("image-b")
+    served = iter([first, second, second, second])  # batch 1 into one image, batch 2 into another, then both
+    sent = []
+
+    def fake_fetch(link, request, on_wait):
+        sent.append(request)
+        return RestoreReply(found=True), Frame(Kind.RESTORE, {}, 0, [os.dup(next(served))])
+
+    monkeypatch.setattr(restore, "fetch", fake_fetch)
+    request = RestoreRequest("j", 4, 1, 0, ((0, 0, 8), (0, 16, 24), (1, 0, 8)))
+    try:
+        reply, frame = restore.fetch_ranges(None, request, lambda message: None)
+        assert reply.found and os.fstat(frame.fds[0]).st_ino == os.fstat(second).st_ino
+        frame.close_fds()
+        assert [(len(r.ranges), r.more) for r in sent] == [(2, True), (1, False)] * 2
+        served = iter([first, second] * 3)  # never one image: it gives up, with one line
+        with pytest.raises(UnavailableError, match="replaced 3 times"):
+            restore.fetch_ranges(None, request, lambda message: None)
+    finally:
+        os.close(first)
+        os.close(second)

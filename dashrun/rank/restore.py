@@ -90,19 +90,44 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
+#: Times the batches of a request with many ranges are sent again when the image they went into was replaced.
+RANGES_ATTEMPTS = 3
+
+
 def fetch_ranges(link: AgentLink, request: RestoreRequest,
                  on_wait: Callable[[str], None]) -> tuple[RestoreReply, Frame]:
     """:func:`fetch` of a request with ranges, in requests of at most MAX_RANGES each, every one but the last
     with ``more``: the agent reads each batch into the same image, and the last reply's descriptor holds them
-    all (or says the image is gone)."""
+    all (or says the image is gone).
+
+    Every batch must land in one image: one that the agent dropped between two (it restarted, or the image
+    expired) would hold only the later batches, so each reply's image is identified by its descriptor's inode,
+    and the batches are sent again if it changed.
+    """
     ranges = request.ranges or ()
     batches = [ranges[i:i + MAX_RANGES] for i in range(0, len(ranges), MAX_RANGES)] or [()]
-    for batch in batches[:-1]:
-        reply, frame = fetch(link, dataclasses.replace(request, ranges=batch, more=True), on_wait)
-        if not reply.found:
+    for _ in range(RANGES_ATTEMPTS):
+        images = set()
+        for batch in batches[:-1]:
+            reply, frame = fetch(link, dataclasses.replace(request, ranges=batch, more=True), on_wait)
+            if not reply.found:
+                return reply, frame
+            images.add(_image_of(frame.fds[0]))
+            frame.close_fds()
+        reply, frame = fetch(link, dataclasses.replace(request, ranges=batches[-1]), on_wait)
+        if not reply.found or not images or images == {_image_of(frame.fds[0])}:
             return reply, frame
         frame.close_fds()
-    return fetch(link, dataclasses.replace(request, ranges=batches[-1]), on_wait)
+        log.warning("dashrun: the node's restore image of step %s was replaced while its %d ranges were read: "
+                    "reading them again", request.step, len(ranges))
+    raise UnavailableError(f"the node's restore image of job {request.job} was replaced {RANGES_ATTEMPTS} times "
+                           "while it was read", hint="is dash-agent restarting? run again")
+
+
+def _image_of(fd: int) -> tuple[int, int]:
+    """What identifies the shared memory behind ``fd``: its device and inode."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def fetch(link: AgentLink, request: RestoreRequest,

@@ -329,7 +329,7 @@ def test_a_fleet_in_namespaces_shrinks_grows_and_loses_its_first_node(fleet_fact
     out, job, steps, interval = tmp_path / "out", "fleet", 80, 4
 
     def node(index: int, *extra: str) -> Node:
-        return Node(memd, job, out, index + 1, steps, *extra, interval=interval, delay=0.3, netns=fleet[index])
+        return Node(memd, job, out, index + 1, steps, *extra, interval=interval, delay=0.2, netns=fleet[index])
 
     first, second, noticed = node(0, "--cloud", "none"), node(1, "--cloud", "none"), node(2, *watched(fake))
     nodes += [first, second, noticed]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,42 @@ def test_uneven_shards_restored_on_fsdp_and_hsdp(memd, tmp_path):
     last = result.stderr.strip().splitlines()[-1]  # dashrun's own last line names it, not only the rank's output
     assert "blocks.0.up.weight" in last and "(13, 7)" in last and "(14, 7)" in last, result.stderr[-3000:]
 
+
+
+def test_fsdp_in_an_elastic_job_a_notice_shrinks_it_and_the_survivor_reshards(memd, tmp_path):
+    """Two nodes of one rank each, FSDP2 over both (--nnodes 1:2): a notice on the second. The first takes the
+    emergency checkpoint with it and goes on alone, its restore resharding the world-2 pieces; no step lost."""
+    from test_elastic import FakeMetadata
+
+    out, job, steps = tmp_path / "out", "fsdp-elastic", 40
+    fake = FakeMetadata("aws").start()
+    nodes = []
+    try:
+        for index, watch in ((1, ["--cloud", "none"]),
+                             (2, ["--cloud", "aws", "--metadata-endpoint", fake.url, "--poll-interval", "0.2"])):
+            cmd = dashrun_cmd(memd, "--nnodes", "1:2", "--local-addr", f"127.0.0.{index}", "--monitor-interval",
+                              "0.1", *watch, str(SCRIPT), "--mode", "fsdp", "--steps", str(steps), "--interval",
+                              str(INTERVAL), "--delay", "0.2", "--out", str(out), job=job, nproc=1)
+            nodes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        wait_for(lambda: last_step(out) >= 5 or any(n.poll() is not None for n in nodes), 180, "two nodes to train")
+        assert all(n.poll() is None for n in nodes), nodes[0].communicate(timeout=30)[1][-3000:]
+        fake.notice()
+        _, noticed_err = nodes[1].communicate(timeout=120)
+        assert nodes[1].returncode == 75, noticed_err[-3000:]
+        _, err = nodes[0].communicate(timeout=180)
+        assert nodes[0].returncode == 0, err[-3000:]
+    finally:
+        for node in nodes:
+            kill_tree(node)
+        fake.stop()
+    noticed_at = int(re.search(r"^preempted (\d+)$", (out / "rank1.log").read_text(), re.M).group(1))
+    assert starts(out) == [0, noticed_at + 1]  # the survivor went on from the emergency checkpoint
+    # (The survivor's rank ends inside save() of the noticed step, before logging it; the noticed node logs it.)
+    first, second = ([int(line.split()[0]) for line in (out / f"rank{r}.log").read_text().splitlines()
+                      if line[:1].isdigit()] for r in (0, 1))
+    assert len(first) == len(set(first)) and max(second) == noticed_at, "a step done twice"
+    assert set(first) | set(second) == set(range(steps)), "a step lost"
+    stats = json.loads((out / "restore-rank0.json").read_text())  # its restore at world 1: both saved ranks' pieces
+    assert 0 < stats["sharded_read"] <= 1.2 * stats["sharded_needed"], stats
+    assert "world 2 -> 1: 127.0.0.2 noticed" in err

@@ -291,3 +291,35 @@ def test_environment_twins_set_their_options(tmp_path, monkeypatch):
     assert (configs[0].memory_limit, configs[0].max_connections) == (2 * 10**9, 7)
     result = CliRunner().invoke(commands_cli, ["gc", "job-1"], env={"DASH_GC_KEEP": "0"})
     assert result.exit_code == 2 and "DASH_GC_KEEP" not in result.output and "0 is not in the range" in result.output
+
+
+def test_a_ranks_save_path_runs_without_numpy():
+    """torch does not require numpy, and a user's environment may lack it: a rank's notices and RNG capture
+    must not need it (the tests' environment has it, for hypothesis and moto)."""
+    code = """
+import sys
+sys.modules["numpy"] = None  # importing numpy fails, as where it is not installed
+import torch
+import torch.distributed as dist
+from dashrun.rank.notices import NoticeBoard
+from dashrun.rank.restore import restore_rng
+from dashrun.rank.snapshot import capture_rng
+try:
+    torch.zeros(1).numpy()
+    raise SystemExit("numpy is still there")
+except RuntimeError:  # "Numpy is not available"
+    pass
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+board = NoticeBoard(world=2, early_interval=5)
+seen = []
+for starved in (False, True, False, False):
+    seen.append(board.agree().starved)  # what the previous save() published
+    board.publish(starved=starved)
+board.close()
+assert seen == [False, False, True, False], seen
+restore_rng(capture_rng())
+dist.destroy_process_group()
+print("ran without numpy")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0 and "ran without numpy" in result.stdout, result.stderr[-3000:]

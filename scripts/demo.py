@@ -105,8 +105,12 @@ def main() -> int:
 
         console.rule("[bold]2. an uninterrupted run, for reference")
         with console.status("training 2 ranks ..."):
-            subprocess.run(dashrun(f"reference-{work.name}", reference_log), check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            reference = subprocess.run(dashrun(f"reference-{work.name}", reference_log),
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if reference.returncode != 0:
+            console.print(reference.stderr[-3000:], markup=False, highlight=False)
+            console.print(f"[red]the reference run failed (exit code {reference.returncode})")
+            return 1
         console.print(f"{args.steps} steps done")
 
         stop_at = args.steps * 2 // 3 + args.interval // 2  # between two periodic checkpoints

@@ -221,12 +221,11 @@ REFERENCE_STEPS = 30
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> dict[int, dict]:
     """Final state of each rank after an uninterrupted run of tests/bin/train.py, under plain torchrun."""
-    from runs import final_states
+    from runs import final_states, reference_run
 
     out = tmp_path_factory.mktemp("reference")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN),
-                             "--steps", str(REFERENCE_STEPS), "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = reference_run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN),
+                            "--steps", str(REFERENCE_STEPS), "--out", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     return final_states(out)
 

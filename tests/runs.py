@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import torch
@@ -66,3 +67,13 @@ def last_step(out: Path, rank: int = 0) -> int:
     except FileNotFoundError:
         return -1
     return max((int(line.split()[0]) for line in lines if line and line[0].isdigit()), default=-1)
+
+
+def reference_run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """A reference run under plain torchrun (checkpointing off: none of dashrun's code runs), tried once more if a
+    rank aborted in torch's own teardown ("terminate called without an active exception", SIGABRT at exit: seen
+    once in the suite's many such runs, never reproduced in a loop)."""
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return result

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, kill_tree, wait_for
-from runs import assert_identical, final_states, last_step, starts
+from runs import assert_identical, final_states, last_step, reference_run, starts
 
 pytestmark = pytest.mark.slow
 
@@ -128,8 +128,8 @@ BN_ARGS = ["--model", "bn", "--steps", "20", "--interval", str(INTERVAL)]
 def bn_reference(tmp_path_factory) -> dict[int, dict]:
     """The uninterrupted run of the BatchNorm model under plain torchrun."""
     out = tmp_path_factory.mktemp("bn-reference")
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN), *BN_ARGS,
-                  "--out", str(out)])
+    result = reference_run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAIN),
+                            *BN_ARGS, "--out", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     return final_states(out)
 

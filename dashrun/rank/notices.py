@@ -78,8 +78,9 @@ class NoticeBoard:
         self.generation = generation          # this world's (DASH_GENERATION): a RESHAPE for an older one is stale
         self.notice: Notice | None = None     # the most serious notice this node's agent pushed
         self.reshape = False                  # the agent said this world ends at its next checkpoint
-        self._flag: torch.Tensor | None = None
-        self._flag_bytes = bytearray()
+        # What publish() all-reduces: one tensor over bytes it packs into (no numpy, which torch does not need).
+        self._flag_bytes = bytearray(_FLAG.size)
+        self._flag: torch.Tensor | None = torch.frombuffer(self._flag_bytes, dtype=torch.float64)
         self._work = None                     # the all-reduce of every rank's notice, one step behind
         self._group = None
 
@@ -146,12 +147,7 @@ class NoticeBoard:
             self._group = (dist.group.WORLD if dist.get_backend() == "gloo"
                            else dist.new_group(backend="gloo"))  # collective: every rank, first save()
         local = self._local()
-        self.settle()  # (agree() did, at the start of this save())
-        if self._flag is None:
-            self._flag_bytes = bytearray(_FLAG.size)
-            self._flag = torch.frombuffer(self._flag_bytes, dtype=torch.float64)
-        # Into the same tensor each time (agree() has waited for the last all-reduce of it), through the bytes
-        # under it: inside save(), a tenth of a new tensor's cost (and no numpy, which torch does not require).
+        # The same tensor each time, free again: agree() waited for its last all-reduce at the start of save().
         _FLAG.pack_into(self._flag_bytes, 0, local.level, -(local.deadline or _NO_DEADLINE), starved,
                         local.reshape)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)

@@ -146,7 +146,14 @@ def buffers_per_rank(module: torch.nn.Module) -> bool:
     updates alone."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return not getattr(module, "broadcast_buffers", True)
-    return any(sharded.is_sharded(p) for p in module.parameters())
+    known = _sharded_modules.get(module)
+    if known is None:  # once per module, not a walk of every parameter in each save()
+        known = _sharded_modules[module] = any(sharded.is_sharded(p) for p in module.parameters())
+    return known
+
+
+#: Whether each module's parameters are DTensors (sharding a module happens before its Checkpointer exists).
+_sharded_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 #: Each module's buffer names, with the state_dict keys they were found for: walking every submodule in each

@@ -407,6 +407,37 @@ def test_close_leaves_no_thread_behind_to_free_what_the_checkpointer_held(stack,
         dist.destroy_process_group()
 
 
+def test_the_notices_tensor_is_let_go_only_once_nothing_else_holds_it(tmp_path, monkeypatch):
+    """gloo's worker thread drops its hold on a finished all-reduce a moment after wait() returns, under the GIL:
+    past the interpreter's shutdown that aborted a rank at exit (seen in a core dump). close() waits for it: here a
+    thread stands in for the worker, letting go 0.3 s late; a holder that never lets go delays close() by a bound."""
+    import threading
+
+    import torch.distributed as dist
+
+    from dashrun.rank import notices
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        board = notices.NoticeBoard(world=2, early_interval=1)
+        board.publish(starved=False)
+        assert board.agree() == notices.Agreement()
+        board.publish(starved=False)
+        held = [board._flag]
+        threading.Timer(0.3, held.clear).start()
+        board.close()
+        assert not held and board._flag is None and board._group is None
+
+        stuck = notices.NoticeBoard(world=2, early_interval=1)
+        stuck.publish(starved=False)
+        forever = [stuck._flag]
+        monkeypatch.setattr(notices, "RELEASE_TIMEOUT", 0.2)
+        stuck.close()
+        assert stuck._flag is None and forever
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_world_change_hook_is_called_at_restore_with_both_sizes(stack, rank_env):
     _, agent = stack
     model, opt, sched = trained_objects()

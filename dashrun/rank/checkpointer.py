@@ -42,6 +42,7 @@ This module is the facade a training script sees; it wires the parts:
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -178,6 +179,7 @@ class Checkpointer:
         self._problems = ProblemLog(log)
         # Set before the link exists: its reader thread may deliver a notice the moment it connects.
         self._notices = NoticeBoard(self.world, self.early_interval, self.generation)
+        atexit.register(self._notices.close_at_exit)  # for a script that never calls close(): see NoticeBoard.close
         self._link = (AgentLink(self._socket, on_notice=self._notices.on_notice, on_reshape=self._notices.on_reshape)
                       if self.enabled else None)
         if self._link is not None:
@@ -342,6 +344,7 @@ class Checkpointer:
         for hook in self._hooks:
             hook.remove()
         self._notices.close()  # every rank started the last all-reduce: it is settled, then let go
+        atexit.unregister(self._notices.close_at_exit)
         self._stager.stop()
         if self._link is not None:
             self._link.close()

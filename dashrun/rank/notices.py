@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
+import sys
 import time
 from typing import Any
 
@@ -34,6 +35,8 @@ EMERGENCY_TIMEOUT = 120.0
 _NO_DEADLINE = 1e18
 #: What each rank all-reduces (MAX): notice level, -deadline, starved, reshape.
 _FLAG = struct.Struct("=4d")
+#: How long close() waits for gloo's worker thread to let go of the last all-reduce's tensor.
+RELEASE_TIMEOUT = 5.0
 
 
 def in_process_group() -> bool:
@@ -81,6 +84,7 @@ class NoticeBoard:
         # What publish() all-reduces: one tensor over bytes it packs into (no numpy, which torch does not need).
         self._flag_bytes = bytearray(_FLAG.size)
         self._flag: torch.Tensor | None = torch.frombuffer(self._flag_bytes, dtype=torch.float64)
+        self._flag_refs = sys.getrefcount(self._flag)  # while no collective holds it: see close()
         self._work = None                     # the all-reduce of every rank's notice, one step behind
         self._group = None
 
@@ -165,11 +169,33 @@ class NoticeBoard:
             self._work.wait()
 
     def close(self) -> None:
-        """Settle, then let go of the process group and the collective's handle, here, on the closing thread.
+        """Settle, then let go of the process group, the collective and its tensor, here, on the closing thread,
+        once gloo's worker thread has let go of the tensor too.
 
         The agent link's reader thread holds this board (its notice callback) and
-        may outlive the Checkpointer: the group must not be freed there, possibly
-        while the interpreter shuts down (a C++ thread destroyed unjoined aborts).
+        may outlive the Checkpointer: the group must not be freed there. And a
+        C++ holder of a tensor made in Python also holds its Python object:
+        gloo's worker drops its hold on a finished all-reduce a moment after
+        ``wait()`` returns, taking the GIL to do so. If that moment falls after
+        the interpreter began to shut down (the script ending right after its
+        last ``save()``), the worker thread is torn down inside a destructor and
+        the rank aborts ("terminate called without an active exception"). Also
+        run at exit for a script that never calls ``close()``.
         """
-        self.settle()
-        self._work = self._flag = self._group = None
+        if self._flag is None:
+            return
+        try:
+            self.settle()
+        finally:
+            self._work = None
+            deadline = time.monotonic() + RELEASE_TIMEOUT
+            while sys.getrefcount(self._flag) > self._flag_refs and time.monotonic() < deadline:
+                time.sleep(0.001)  # the GIL is free meanwhile: the worker can drop its hold
+            self._flag = self._group = None
+
+    def close_at_exit(self) -> None:
+        """:meth:`close` from ``atexit`` (the interpreter still whole): a failed collective is not news then."""
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - a peer that left first; the process is ending anyway
+            log.debug("dashrun: the notices' last all-reduce at exit: %s", e)

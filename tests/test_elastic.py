@@ -279,22 +279,33 @@ def test_a_node_that_joins_is_admitted_at_a_checkpoint(memd, nodes, tmp_path):
     assert "has finished" in late.log()
 
 
-def test_below_min_the_job_waits_then_resumes_when_a_node_joins(memd, nodes, fakes, tmp_path):
+@pytest.mark.parametrize("in_namespaces", [False, True], ids=["loopback", "namespaces"])
+def test_below_min_the_job_waits_then_resumes_when_a_node_joins(in_namespaces, memd_factory, fleet_factory, nodes,
+                                                                 fakes, tmp_path):
     out, job, steps = tmp_path / "out", "below-min", 30
-    fake = fakes()
-    nodes += [Node(memd, job, out, 1, steps, "--cloud", "none"), Node(memd, job, out, 2, steps, *watched(fake))]
+    if in_namespaces:
+        fleet = fleet_factory(3)
+        memd = memd_factory("--listen", f"{fleet.host_address}:0")
+        fake = fakes(host=fleet.host_address)
+        place = {"netns": fleet[0]}, {"netns": fleet[1]}, {"netns": fleet[2]}
+    else:
+        memd, fake, place = memd_factory("--memory-limit", "256MiB"), fakes(), ({}, {}, {})
+    nodes += [Node(memd, job, out, 1, steps, "--cloud", "none", **place[0]),
+              Node(memd, job, out, 2, steps, *watched(fake), **place[1])]
     wait_for(lambda: newest_step(out) >= 4 or any(n.proc.poll() is not None for n in nodes), 180,
              "the two nodes to train")
     fake.notice()
     assert nodes[1].wait() == PREEMPTED, nodes[1].log()[-3000:]
     stopped_at = newest_step(out)
     assert nodes[0].proc.poll() is None  # one node of MIN 2: it waits, it does not end
-    nodes.append(Node(memd, job, out, 3, steps, "--cloud", "none"))
+    nodes.append(Node(memd, job, out, 3, steps, "--cloud", "none", **place[2]))
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
     assert nodes[2].wait() == 0, nodes[2].log()[-3000:]
     assert_no_step_twice(out, steps)
     assert min(step for step, gens in runs_of_steps(out).items() if max(gens) > 0) == stopped_at + 1
     assert_each_sample_once(out)
+    last = max(r.generation for r in records(out))
+    assert {r.node.rsplit("-", 1)[0] for r in records(out) if r.generation == last} == {nodes[0].name, nodes[2].name}
 
 
 def test_a_node_cut_off_the_network_the_others_go_on(fleet_factory, memd_factory, nodes, tmp_path):

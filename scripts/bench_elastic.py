@@ -74,9 +74,26 @@ def log_lines(out: Path) -> list[tuple[float, int, int, str]]:
     for path in out.glob("*.log"):
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 3:
+            if len(parts) == 3 and parts[0] != "phase":
                 lines.append((float(parts[0]), int(parts[1]), int(parts[2]), path.stem))
     return lines
+
+
+def restart_phases(out: Path, since: float) -> dict[str, float]:
+    """Seconds from ``since`` to each phase of the earliest rank start after it (started, imported, process
+    group, restored): where the survivors' restart went."""
+    starts: list[dict[str, float]] = []
+    for path in out.glob("*.log"):
+        current: dict[str, float] = {}
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "phase":
+                if parts[1] == "started":
+                    current = {}
+                    starts.append(current)
+                current[parts[1]] = round(float(parts[2]) - since, 2)
+    after = [phases for phases in starts if phases.get("started", -1) >= 0]
+    return min(after, key=lambda phases: phases["started"]) if after else {}
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -135,7 +152,8 @@ class Round:
         first_at_2 = min((t, step) for t, step, world, _ in lines if world == 2)
         last_at_3 = max(step for t, step, world, _ in lines if world == 3 and t < started + 0.5)
         return {"system": self.system, "how": how, "seconds": round(first_at_2[0] - started, 2),
-                "steps_lost": max(0, last_at_3 + 1 - first_at_2[1]), "steps_before": before}
+                "steps_lost": max(0, last_at_3 + 1 - first_at_2[1]), "steps_before": before,
+                "restart": restart_phases(self.out, started)}
 
     def stop(self) -> None:
         for proc in self.nodes:
@@ -176,16 +194,24 @@ def main() -> None:
                         help="also torchrun with torch's own rendezvous settings (keep-alive 5 s x 3, last call 30 s)")
     parser.add_argument("--fsdp", action="store_true",
                         help="the job's model sharded with FSDP2: a new world size restores resharded (both systems)")
+    parser.add_argument("--dashrun-only", action="store_true",
+                        help="no torchrun rounds: a look at dashrun's own timeline (with --keep)")
+    parser.add_argument("--keep", type=Path, help="run in this directory and keep it: every node's log")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     machine = bench.machine()
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-elastic-", ignore_cleanup_errors=True) as tmp:
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=False)
+    with (contextlib.nullcontext(str(args.keep)) if args.keep
+          else tempfile.TemporaryDirectory(prefix="bench-elastic-", ignore_cleanup_errors=True)) as tmp:
         procs = bench.Processes()
         try:
             memd = start_memd(Path(tmp), procs)
             for index in range(args.rounds):
-                for system in ("torchrun", "dashrun") + (("torchrun, its defaults",) if args.torch_defaults else ()):
+                systems = ("dashrun",) if args.dashrun_only else (
+                    ("torchrun", "dashrun") + (("torchrun, its defaults",) if args.torch_defaults else ()))
+                for system in systems:
                     workdir = Path(tmp) / f"{system.split(',')[0]}-{'defaults-' if ',' in system else ''}{index}"
                     workdir.mkdir()
                     one = Round(system, workdir, procs, args, memd=memd)

@@ -11,9 +11,12 @@ Each rank appends ``<epoch seconds> <step> <world size>`` per step to
 step at a new world size ran.
 """
 
-import argparse
-import os
 import time
+
+STARTED = time.time()  # before torch's import: the benchmark's timeline of a restart
+
+import argparse  # noqa: E402
+import os  # noqa: E402
 
 import torch
 import torch.distributed as dist
@@ -40,8 +43,10 @@ def main():
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: sharded state")
     args = parser.parse_args()
 
+    phases = {"started": STARTED, "imported": time.time()}
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    phases["process-group"] = time.time()
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
@@ -71,9 +76,11 @@ def main():
             dcp.load(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step-{newest}"))
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
             step = newest + 1
+    phases["restored"] = time.time()
     address = os.environ.get("BENCH_NODE", "node")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{address}-{os.environ.get('LOCAL_RANK', '0')}.log"), "a") as log:
+        log.writelines(f"phase {name} {at:.3f}\n" for name, at in phases.items())
         while step < args.steps:
             x = torch.randn(32, args.width)
             loss = model(x).pow(2).mean()

@@ -80,6 +80,30 @@ def test_nodes_meet_through_dash_memd_and_share_a_store(memd, handlers):
     assert infos[1].store.add("count", 2) == 2 and infos[0].store.add("count", 3) == 5
 
 
+def test_a_node_waiting_for_others_is_woken_by_their_change_not_by_torchs_next_poll(memd, handlers):
+    """Where torch's rendezvous loop sleeps a second and then reads a cached state, dashrun's waits in dash-memd
+    for the state to change: the waiting node sees the others' joins as they happen."""
+    handlers += [handler_for(memd, "woken", node) for node in (1, 2)]
+    backend = handlers[0]._op_executor._backend
+    waits: list[tuple[float, bool]] = []
+    original = backend.wait_for_change
+
+    def recorded(token, seconds):
+        started = time.monotonic()
+        original(token, seconds)
+        waits.append((time.monotonic() - started, backend.get_state()[1] != token))
+
+    backend.wait_for_change = recorded
+    first = threading.Thread(target=lambda: handlers[0].next_rendezvous())
+    first.start()
+    wait_for(lambda: waits, 30, "the first node to wait for a second one")  # it alone is below MIN
+    infos = meet(handlers[1:])
+    first.join(30)
+    assert not first.is_alive() and infos[0].world_size == 2
+    woken = [took for took, changed in waits if changed]
+    assert woken and min(woken) < 0.9, waits  # answered when node 2 changed the state, not at the second's end
+
+
 def test_a_node_that_leaves_does_not_close_the_rendezvous(memd, handlers):
     handlers += [handler_for(memd, "leave", node) for node in (1, 2, 3)]
     first = meet(handlers)

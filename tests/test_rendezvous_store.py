@@ -87,6 +87,50 @@ def test_rendezvous_bounds_are_refused_and_the_connection_serves_on(memd):
         assert client.rendezvous_get("big", "run")[0] == b"x" * MAX_RDZV_STATE
 
 
+def test_a_rendezvous_read_waits_for_another_nodes_change_up_to_its_bound(memd):
+    """A node polling for a change (torch's loop reads again every second) is held in dash-memd until the token
+    moves: answered at once when another node sets the state, after ``wait`` when none does."""
+    with memd.client() as a, memd.client() as b:
+        _, first, _ = a.rendezvous_set("watch", "run", b"round 0", None)
+        started = time.monotonic()
+        assert b.rendezvous_get("watch", "run", unlike=first, wait=0.5) == (b"round 0", first)
+        assert time.monotonic() - started >= 0.45  # held for its wait: nothing changed
+        assert b.rendezvous_get("watch", "run", unlike=first + 1, wait=5) == (b"round 0", first)  # differs: now
+
+        answers: list = []
+        waiter = threading.Thread(target=lambda: answers.append(b.rendezvous_get("watch", "run", first, wait=8)))
+        started = time.monotonic()
+        waiter.start()
+        _, second, _ = a.rendezvous_set("watch", "run", b"round 1", first)
+        waiter.join(15)
+        assert answers == [(b"round 1", second)] and time.monotonic() - started < 6
+
+        # a job with no state yet: a waiter is answered by the first set
+        waiter = threading.Thread(target=lambda: answers.append(b.rendezvous_get("fresh", "run", None, wait=8)))
+        waiter.start()
+        _, token, _ = a.rendezvous_set("fresh", "run", b"first", None)
+        waiter.join(15)
+        assert answers[-1] == (b"first", token)
+
+
+def test_rendezvous_wait_fields_are_bounded_before_use(memd):
+    from dashrun.wire.messages import MAX_RDZV_WAIT
+    from dashrun.wire.protocol import Kind
+
+    with memd.client() as client:
+        client.rendezvous_set("bounded", "run", b"s", None)
+        for body in ({"wait": MAX_RDZV_WAIT + 1, "unlike": 1}, {"wait": -1, "unlike": 1}, {"wait": "5", "unlike": 1},
+                     {"wait": 1, "unlike": -3}, {"wait": 1, "unlike": "x"}, {"wait": 1, "unlike": 1 << 70}):
+            with pytest.raises(ProtocolError):
+                client._request(lambda ch, body=body: ch.call(Kind.RDZV_GET, {"job": "bounded", "run_id": "run",
+                                                                             **body}))
+        assert client.rendezvous_get("bounded", "run")[0] == b"s"  # the connection serves on
+        started = time.monotonic()
+        client.rendezvous_get("bounded", "run", unlike=client.rendezvous_get("bounded", "run")[1],
+                              wait=MAX_RDZV_WAIT + 50)  # the client keeps to the bound itself
+        assert time.monotonic() - started < MAX_RDZV_WAIT + 5
+
+
 def test_rendezvous_state_and_token_survive_a_killed_dash_memd_and_a_stale_token_still_loses(memd):
     with memd.client() as client:
         _, stale, _ = client.rendezvous_set("persist", "run", b"one", None)

@@ -17,6 +17,7 @@ which dies with its node.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import logging
 import pickle
@@ -26,12 +27,13 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     RendezvousTimeout,
+    _DistributedRendezvousOpExecutor,
     _NodeDesc,
     _remove_participant_epilogue,
     _RendezvousExitOp,
@@ -187,6 +189,7 @@ class MemdRendezvousBackend(RendezvousBackend):
         self.job = options.job_id
         self.run_id = run_id
         self._memd = MemdConnection(options, timeout=30)
+        self._watch = MemdConnection(options, timeout=30)  # its own: a wait must not hold up the heartbeats
 
     @property
     def name(self) -> str:
@@ -207,9 +210,18 @@ class MemdRendezvousBackend(RendezvousBackend):
         held, new_token, was_set = answer
         return state_from_wire(held), new_token, was_set
 
-    def _call(self, fn):
+    def wait_for_change(self, token: Any, seconds: float) -> None:
+        """Return once the state's token is not ``token`` (another node set it), or after ``seconds``."""
+        deadline = time.monotonic() + seconds
+        token = token if isinstance(token, int) else None
+        held = self._call(lambda c: c.rendezvous_get(self.job, self.run_id, token, seconds), self._watch)
+        left = deadline - time.monotonic()
+        if (held[1] if held else None) == token and left > 0.9 * seconds:
+            time.sleep(left)  # unchanged, yet answered at once: a dash-memd that does not wait; poll as torch does
+
+    def _call(self, fn, connection: MemdConnection | None = None):
         try:
-            return self._memd.call(fn)
+            return (connection or self._memd).call(fn)
         except UnavailableError as e:
             raise RendezvousConnectionError(f"dash-memd holds the rendezvous and cannot be reached: {e}") from None
         except DashError as e:
@@ -282,6 +294,45 @@ class MemdStore(dist.Store):
 
 def _bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
+
+
+#: Where torch's rendezvous loop would sleep a second before reading the state again (its SYNC), the
+#: executor of a :class:`DashRendezvousHandler` waits in dash-memd for the state to change instead.
+_WAIT_FOR_CHANGE: contextvars.ContextVar[Callable[[float], None] | None] = contextvars.ContextVar(
+    "dashrun_wait_for_change", default=None)
+_torch_delay = dynamic_rendezvous._delay
+
+
+def _delay(seconds) -> None:
+    wait = _WAIT_FOR_CHANGE.get()
+    if wait is not None and seconds == 1:  # the SYNC of torch's op executor: "poll for state changes"
+        wait(seconds)
+    else:
+        _torch_delay(seconds)
+
+
+dynamic_rendezvous._delay = _delay
+
+
+class _ChangeWaitingExecutor(_DistributedRendezvousOpExecutor):
+    """torch's op executor, reacting to another node's change of the state at once instead of up to a second
+    (twice: torch's state holder also serves a cached state for a second) later. Each wait is one request
+    held in dash-memd, so polling nodes cost it nothing more than torch's once-a-second reads."""
+
+    def __init__(self, handler: DynamicRendezvousHandler, backend: MemdRendezvousBackend):
+        super().__init__(handler._this_node, handler._state_holder, handler._settings)
+        self._backend = backend
+
+    def run(self, state_handler, deadline, update_deadline=None) -> None:
+        token = _WAIT_FOR_CHANGE.set(self._wait_for_change)
+        try:
+            super().run(state_handler, deadline, update_deadline)
+        finally:
+            _WAIT_FOR_CHANGE.reset(token)
+
+    def _wait_for_change(self, seconds: float) -> None:
+        self._backend.wait_for_change(self._state_holder._token, seconds)
+        self._state_holder._last_sync_time = -1  # the next sync reads dash-memd, not torch's cache
 
 
 class DashRendezvousHandler(DynamicRendezvousHandler):
@@ -360,11 +411,13 @@ def create_handler(options: LaunchOptions, params: RendezvousParameters) -> Dash
         return None if value is None else timedelta(seconds=value)
 
     timeout = RendezvousTimeout(seconds("join"), seconds("last_call"), seconds("close"), seconds("heartbeat"))
-    return DashRendezvousHandler.from_backend(
-        params.run_id, MemdStore(options), MemdRendezvousBackend(options, params.run_id), params.min_nodes,
-        params.max_nodes, params.local_addr, timeout,
+    backend = MemdRendezvousBackend(options, params.run_id)
+    handler = DashRendezvousHandler.from_backend(
+        params.run_id, MemdStore(options), backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
         keep_alive_interval=params.get_as_int("keep_alive_interval", RDZV_DEFAULTS["keep_alive_interval"]),
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", RDZV_DEFAULTS["keep_alive_max_attempt"]))
+    handler._op_executor = _ChangeWaitingExecutor(handler, backend)
+    return handler
 
 
 def running_elsewhere(client: MemdClient, job: str, run_id: str) -> bool:

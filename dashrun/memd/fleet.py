@@ -20,7 +20,7 @@ from dashrun.memd.kvstore import KeyValueStore
 from dashrun.memd.membership import MEMBERSHIP, Membership
 from dashrun.memd.rendezvous import RENDEZVOUS, RendezvousStates
 from dashrun.wire.channel import Channel, Frame
-from dashrun.wire.messages import MAX_STORE_KEYS, MAX_STORE_WAIT, MembershipEvent
+from dashrun.wire.messages import MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, MembershipEvent
 from dashrun.wire.protocol import (
     MAX_BODY,
     MAX_STEP,
@@ -83,7 +83,10 @@ class FleetRequests:
     # --- rendezvous, generation, membership -----------------------------------------------------
 
     def _rdzv_get(self, ch: Channel, frame: Frame) -> None:
-        held = self.rendezvous.get(field_job(frame.body), field_run_id(frame.body))
+        body = frame.body
+        unlike = None if body.get("unlike") is None else field_int(body, "unlike", 1, MAX_STEP)
+        held = self.rendezvous.get(field_job(body), field_run_id(body), unlike,
+                                   field_float(body, "wait", 0.0, MAX_RDZV_WAIT) if "wait" in body else 0.0)
         if held is None:
             ch.send(Kind.OK, {"token": None})
         else:

@@ -115,6 +115,7 @@ class RendezvousStates:
         self.root = root
         self.tokens = TokenSource(root / _TOKENS)
         self._lock = threading.Lock()  # guards _states and _bytes; held while a state file is replaced
+        self._changed = threading.Condition(self._lock)  # notified at every set and deletion
         self._states: dict[str, dict[str, tuple[bytes, int]]] = {}  # job -> run id -> (state, token)
         self._bytes = 0
 
@@ -151,9 +152,15 @@ class RendezvousStates:
         if found:
             log.info("rendezvous: %d states of %d jobs", found, len(self._states))
 
-    def get(self, job: str, run_id: str) -> tuple[bytes, int] | None:
-        with self._lock:
-            return self._states.get(job, {}).get(run_id)
+    def get(self, job: str, run_id: str, unlike: int | None = None, wait: float = 0.0) -> tuple[bytes, int] | None:
+        """The state and token held, or None. With ``wait``, once the token is not ``unlike`` (a node that
+        polls for a change of the rendezvous: held here until another node sets the state, up to ``wait``
+        seconds, rather than asking again every second)."""
+        held = lambda: self._states.get(job, {}).get(run_id)  # noqa: E731
+        with self._changed:
+            if wait > 0:
+                self._changed.wait_for(lambda: (held() or (None, None))[1] != unlike, timeout=wait)
+            return held()
 
     def set(self, job: str, run_id: str, state: bytes, token: int | None) -> tuple[bytes, int, bool] | None:
         """Store ``state`` iff ``token`` is the current token (None: iff there is none yet); returns the state
@@ -183,6 +190,7 @@ class RendezvousStates:
             self._write(job, run_id, *new)  # before anyone sees the new token: a restart serves what was answered
             self._states.setdefault(job, {})[run_id] = new
             self._bytes += grown
+            self._changed.notify_all()
             return new[0], new[1], True
 
     def delete_job(self, job: str) -> None:
@@ -191,6 +199,7 @@ class RendezvousStates:
             runs = self._states.pop(job, {})
             self._bytes -= sum(len(state) for state, _ in runs.values())
             discard_tree(self.root / job)  # a job's few state files: gone before a new state can be written
+            self._changed.notify_all()
 
     def _write(self, job: str, run_id: str, state: bytes, token: int) -> None:
         job_dir = self.root / job

@@ -20,6 +20,7 @@ from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import (
     MAX_RDZV_STATE,
+    MAX_RDZV_WAIT,
     MAX_STORE_JOB_BYTES,
     MAX_STORE_VALUE,
     MAX_STORE_WAIT,
@@ -188,10 +189,16 @@ class MemdClient:
 
     # --- the fleet view: rendezvous, world generation, membership ------------------------------
 
-    def rendezvous_get(self, job: str, run_id: str) -> tuple[bytes, int] | None:
-        """The rendezvous state of ``run_id`` of ``job`` and its token, or None if none was set yet."""
+    def rendezvous_get(self, job: str, run_id: str, unlike: int | None = None,
+                       wait: float = 0.0) -> tuple[bytes, int] | None:
+        """The rendezvous state of ``run_id`` of ``job`` and its token, or None if none was set yet. With
+        ``wait`` (at most ``MAX_RDZV_WAIT`` seconds), dash-memd answers once the token is not ``unlike``: another
+        node changed the state, or the time is up."""
+        body = {"job": job, "run_id": run_id}
+        if wait > 0:
+            body.update(unlike=unlike, wait=min(wait, MAX_RDZV_WAIT))
         def run(ch: Channel):
-            reply = ch.call(Kind.RDZV_GET, {"job": job, "run_id": run_id}, max_data=MAX_RDZV_STATE)
+            reply = ch.call(Kind.RDZV_GET, body, max_data=MAX_RDZV_STATE)
             state = ch.recv_data(reply)
             token = reply.body.get("token")
             if token is None:

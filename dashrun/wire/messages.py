@@ -31,12 +31,14 @@ from dashrun.wire.protocol import (
     field_str,
 )
 
-__all__ = ["CLOUDS", "MAX_RDZV_STATE", "MAX_STORE_JOB_BYTES", "MAX_STORE_KEY", "MAX_STORE_KEYS", "MAX_STORE_VALUE",
-           "MAX_STORE_WAIT", "MEMBERSHIP_CHANGES", "CheckpointInfo", "JobSpec", "MembershipEvent", "Notice",
-           "NoticeKind", "ShardHeader", "tiling_problem"]
+__all__ = ["CLOUDS", "MAX_RDZV_STATE", "MAX_RDZV_WAIT", "MAX_STORE_JOB_BYTES", "MAX_STORE_KEY", "MAX_STORE_KEYS",
+           "MAX_STORE_VALUE", "MAX_STORE_WAIT", "MEMBERSHIP_CHANGES", "CheckpointInfo", "JobSpec", "MembershipEvent",
+           "Notice", "NoticeKind", "ShardHeader", "tiling_problem"]
 
 #: Largest rendezvous state (torch's pickled rendezvous state, opaque to dash-memd) of one run id.
 MAX_RDZV_STATE = 1 << 20
+#: Longest a rendezvous read waits in dash-memd for the state to change (a node polling for a change).
+MAX_RDZV_WAIT = 5.0
 #: Largest key (UTF-8 bytes) and value of a job's key/value store.
 MAX_STORE_KEY = 512
 MAX_STORE_VALUE = 64 << 10

@@ -20,6 +20,7 @@ from conftest import wait_for
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
+from dashrun.launch.elastic import LATE_HEARTBEATS
 from dashrun.launch.options import LaunchOptions
 from dashrun.launch.rendezvous import RDZV_DEFAULTS, MemdStore, create_handler, state_from_wire, state_to_wire
 from dashrun.wire.tls import TlsSettings
@@ -121,6 +122,28 @@ def test_a_node_that_leaves_does_not_close_the_rendezvous(memd, handlers):
     assert old.isdisjoint(new)  # a fresh TCPStore for the new world
 
 
+def test_after_a_change_the_round_closes_once_every_live_node_is_in_the_first_waits_its_last_call(memd, handlers):
+    """The job's first round waits out its last call for nodes booting at about the same time; a round after a
+    membership change closes as soon as every node that heartbeats is in it (nobody else is coming)."""
+    handlers += [handler_for(memd, "last-call", node, last_call_timeout=30) for node in (1, 2, 3)]
+    early = threading.Thread(target=lambda: meet(handlers[:2]))
+    early.start()
+    backend = handlers[0]._op_executor._backend
+    state = lambda: pickle.loads(backend.get_state()[0])  # noqa: E731
+    wait_for(lambda: backend.get_state() is not None and len(state().participants) == 2, 30,
+             "two nodes in the first round")
+    assert not state().complete  # MIN is there; the first round waits for more
+    third = handlers[2].next_rendezvous()
+    early.join(60)
+    assert third.world_size == 3
+    leaving = handlers.pop(2)
+    leaving.leave()
+    wait_for(lambda: handlers[0].departed(), 10, "the leaver to be gone")
+    started = time.monotonic()
+    infos = meet(handlers)
+    assert {info.world_size for info in infos} == {2} and time.monotonic() - started < 15  # not the 30 s call
+
+
 def test_a_silent_node_is_found_dead_within_the_heartbeat_lapse(memd, handlers):
     handlers += [handler_for(memd, "silent", node, keep_alive_interval=1, keep_alive_max_attempt=3)
                  for node in (1, 2)]
@@ -196,8 +219,9 @@ def test_a_state_that_is_not_torchs_is_refused_in_one_line(held):
 def test_after_a_failure_a_late_member_is_evicted_at_once_a_live_one_never(memd, handlers):
     handlers += [handler_for(memd, "late", node) for node in (1, 2)]
     meet(handlers)
-    assert handlers[0].evict_late(timedelta(seconds=2.5)) == []  # both heartbeat every second
+    late = timedelta(seconds=RDZV_DEFAULTS["keep_alive_interval"] * LATE_HEARTBEATS)
+    assert handlers[0].evict_late(late) == []  # both heartbeat every second
     handlers[1]._stop_heartbeats()
-    evicted = wait_for(lambda: handlers[0].evict_late(timedelta(seconds=2.5)), 10, "the late member to be evicted")
+    evicted = wait_for(lambda: handlers[0].evict_late(late), 10, "the late member to be evicted")
     assert [node.addr for node in evicted] == ["127.0.0.2"]
     assert [node.addr for node in handlers[0].departed()] == ["127.0.0.2"]

@@ -57,8 +57,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds between looks at the rendezvous for members gone or nodes waiting, while the ranks run.
 MEMBERSHIP_POLL = 1.0
-#: After the ranks failed, a member whose heartbeat is this many intervals old is taken as gone.
-LATE_HEARTBEATS = 2.5
+#: After the ranks failed, a member whose heartbeat is this many intervals old is taken as gone: the world is
+#: broken anyway, and a live member wrongly taken as gone only joins the next round from the wait list.
+LATE_HEARTBEATS = 1.5
+#: Seconds between looks for a late member once the ranks failed (every look is one read of the rendezvous).
+LATE_POLL = 0.1
 #: Membership events the ranks are given (``Checkpointer.membership["history"]``), newest last.
 HISTORY_FOR_RANKS = 100
 #: Seconds the ranks get to reach a checkpoint when a node waits to join; then they are restarted as torch does.
@@ -227,7 +230,7 @@ class DashElasticAgent(LocalElasticAgent):
                 log.warning("could not read the rendezvous: %s", e)
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(MEMBERSHIP_POLL / 2)
+            time.sleep(LATE_POLL)
 
     @staticmethod
     def _nodes_waiting(handler: DashRendezvousHandler) -> int:

@@ -33,10 +33,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     RendezvousTimeout,
+    _Action,
     _DistributedRendezvousOpExecutor,
     _NodeDesc,
     _remove_participant_epilogue,
+    _RendezvousContext,
     _RendezvousExitOp,
+    _RendezvousJoinOp,
     _RendezvousState,
 )
 
@@ -324,6 +327,8 @@ class _ChangeWaitingExecutor(_DistributedRendezvousOpExecutor):
         self._backend = backend
 
     def run(self, state_handler, deadline, update_deadline=None) -> None:
+        if isinstance(state_handler, _RendezvousJoinOp):
+            state_handler = _JoinWithoutWaitingForNobody(state_handler)
         token = _WAIT_FOR_CHANGE.set(self._wait_for_change)
         try:
             super().run(state_handler, deadline, update_deadline)
@@ -333,6 +338,32 @@ class _ChangeWaitingExecutor(_DistributedRendezvousOpExecutor):
     def _wait_for_change(self, seconds: float) -> None:
         self._backend.wait_for_change(self._state_holder._token, seconds)
         self._state_holder._last_sync_time = -1  # the next sync reads dash-memd, not torch's cache
+
+
+class _JoinWithoutWaitingForNobody:
+    """torch's join, except that a round after the job's first completes as soon as every live node is in it.
+
+    Once MIN nodes have joined, torch waits out the last call for more. After
+    a membership change the nodes that go on are known: every node that
+    heartbeats is in the round, none waits for a place, so there is nobody
+    more to wait for (a node that starts later joins at a checkpoint). The
+    job's first round keeps its last call, for nodes booting at about the
+    same time.
+    """
+
+    def __init__(self, join: _RendezvousJoinOp):
+        self._join = join
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        action = self._join(ctx, deadline)
+        state = ctx.state
+        if (action != _Action.SYNC or state.round == 0 or state.complete or state.deadline is None
+                or ctx.node not in state.participants or state.wait_list or state.redundancy_list):
+            return action
+        lapse = ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt
+        now = datetime.now(timezone.utc)
+        alive = {node for node, beat in state.last_heartbeats.items() if now - beat <= lapse}
+        return _Action.MARK_RENDEZVOUS_COMPLETE if alive <= set(state.participants) else action
 
 
 class DashRendezvousHandler(DynamicRendezvousHandler):

@@ -325,10 +325,14 @@ class _ChangeWaitingExecutor(_DistributedRendezvousOpExecutor):
     def __init__(self, handler: DynamicRendezvousHandler, backend: MemdRendezvousBackend):
         super().__init__(handler._this_node, handler._state_holder, handler._settings)
         self._backend = backend
+        self._look_again: float | None = None  # seconds: the next wait ends by then even if nothing changed
+
+    def look_again_in(self, seconds: float) -> None:
+        self._look_again = seconds
 
     def run(self, state_handler, deadline, update_deadline=None) -> None:
         if isinstance(state_handler, _RendezvousJoinOp):
-            state_handler = _JoinWithoutWaitingForNobody(state_handler)
+            state_handler = _JoinWithoutWaitingForNobody(state_handler, self)
         token = _WAIT_FOR_CHANGE.set(self._wait_for_change)
         try:
             super().run(state_handler, deadline, update_deadline)
@@ -336,32 +340,43 @@ class _ChangeWaitingExecutor(_DistributedRendezvousOpExecutor):
             _WAIT_FOR_CHANGE.reset(token)
 
     def _wait_for_change(self, seconds: float) -> None:
+        if self._look_again is not None:
+            seconds, self._look_again = max(0.01, min(seconds, self._look_again)), None
         self._backend.wait_for_change(self._state_holder._token, seconds)
         self._state_holder._last_sync_time = -1  # the next sync reads dash-memd, not torch's cache
 
 
-class _JoinWithoutWaitingForNobody:
-    """torch's join, except that a round after the job's first completes as soon as every live node is in it.
+#: How long a round after the job's first waits for more nodes once every live node is in it: a node between
+#: leaving the old round and joining the new one is briefly invisible (no heartbeat), and is milliseconds away.
+ROUND_GRACE = timedelta(seconds=0.5)
 
-    Once MIN nodes have joined, torch waits out the last call for more. After
-    a membership change the nodes that go on are known: every node that
-    heartbeats is in the round, none waits for a place, so there is nobody
-    more to wait for (a node that starts later joins at a checkpoint). The
-    job's first round keeps its last call, for nodes booting at about the
-    same time.
+
+class _JoinWithoutWaitingForNobody:
+    """torch's join, except that a round after the job's first closes :data:`ROUND_GRACE` after MIN nodes are
+    in it when every node that heartbeats is in it, rather than after the whole last call.
+
+    After a membership change the nodes that go on are known: all of them
+    heartbeat and none waits for a place, so there is nobody more to wait
+    for (a node that starts later joins at a checkpoint). The job's first
+    round keeps its last call, for nodes booting at about the same time.
     """
 
-    def __init__(self, join: _RendezvousJoinOp):
+    def __init__(self, join: _RendezvousJoinOp, executor: _ChangeWaitingExecutor):
         self._join = join
+        self._executor = executor
 
     def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
         action = self._join(ctx, deadline)
-        state = ctx.state
+        state, settings = ctx.state, ctx.settings
         if (action != _Action.SYNC or state.round == 0 or state.complete or state.deadline is None
                 or ctx.node not in state.participants or state.wait_list or state.redundancy_list):
             return action
-        lapse = ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt
         now = datetime.now(timezone.utc)
+        closes = state.deadline - settings.timeout.last_call + ROUND_GRACE
+        if now < closes:
+            self._executor.look_again_in((closes - now).total_seconds())  # not after the next change only
+            return action
+        lapse = settings.keep_alive_interval * settings.keep_alive_max_attempt
         alive = {node for node, beat in state.last_heartbeats.items() if now - beat <= lapse}
         return _Action.MARK_RENDEZVOUS_COMPLETE if alive <= set(state.participants) else action
 

@@ -23,6 +23,7 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import dashrun_cmd, kill_tree, load_fake_metadata, wait_for
 
@@ -306,6 +307,26 @@ def test_below_min_the_job_waits_then_resumes_when_a_node_joins(in_namespaces, m
     assert_each_sample_once(out)
     last = max(r.generation for r in records(out))
     assert {r.node.rsplit("-", 1)[0] for r in records(out) if r.generation == last} == {nodes[0].name, nodes[2].name}
+
+
+def test_a_node_gone_silent_the_others_go_on(memd, nodes, tmp_path):
+    """The loopback stand-in for a pulled cable: every process of the third node is stopped (SIGSTOP), so its
+    peers hear nothing more from it and no connection is reset; the namespaced variant is below."""
+    out, job, steps, interval = tmp_path / "out", "silent", 30, 4
+    nodes += [Node(memd, job, out, index + 1, steps, "--cloud", "none", interval=interval) for index in range(3)]
+    wait_for(lambda: newest_step(out) >= 9 or any(n.proc.poll() is not None for n in nodes), 180,
+             "the three nodes to train")
+    assert worlds(out) == [3], nodes[0].log()[-3000:]
+    silent_after = newest_step(out)
+    launcher = psutil.Process(nodes[2].proc.pid)
+    for process in (launcher, *launcher.children(recursive=True)):
+        process.suspend()  # SIGKILLed, stopped or not, by the fixture
+    assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
+    assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
+    assert_redone_at_most(out, steps, interval, silent_after)
+    assert worlds(out) == [3, 2]
+    assert f"world 3 -> 2: {nodes[2].name} lost" in nodes[0].log() + nodes[1].log()
+    assert_each_sample_once(out)
 
 
 def test_a_node_cut_off_the_network_the_others_go_on(fleet_factory, memd_factory, nodes, tmp_path):

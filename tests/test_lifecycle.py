@@ -430,3 +430,22 @@ class Lifecycle(RuleBasedStateMachine):
 Lifecycle.TestCase.settings = settings(max_examples=150, stateful_step_count=40, derandomize=True, database=None,
                                        deadline=None, suppress_health_check=list(HealthCheck))
 TestLifecycle = pytest.mark.slow(Lifecycle.TestCase)
+
+
+def test_a_rank_that_vanished_is_reported_first_over_a_peer_whose_collective_it_broke(tmp_path):
+    """torch orders failures by whole seconds, and a rank killed outright has no error file: its time is when the
+    launcher saw it, often the same second as (or the one after) its peer's "connection reset" error."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from dashrun.launch.launcher import _first_failure
+
+    said = tmp_path / "error.json"
+    now = int(time.time())
+    said.write_text(json.dumps({"message": {"message": "RuntimeError: Connection reset by peer",
+                                            "extraInfo": {"timestamp": str(now)}}}))
+    peer = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(said))
+    vanished = ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    vanished.timestamp = now + 1
+    assert _first_failure(ChildFailedError("train.py", {0: peer, 1: vanished}))[0] == 1
+    vanished.timestamp = now + 5  # seconds later: the peer's own failure came first
+    assert _first_failure(ChildFailedError("train.py", {0: peer, 1: vanished}))[0] == 0

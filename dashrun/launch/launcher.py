@@ -271,9 +271,28 @@ def _name_rendezvous_callers_cheaply() -> None:
         dynamic_rendezvous.get_method_name = get_method_name
 
 
+def _first_failure(err):
+    """torch's first failure (the earliest timestamp, in whole seconds), except that a rank that died without a
+    word (a signal, a hard exit: no error file, so its time is when the launcher saw it) within a second of a
+    rank that raised is taken as first: a rank that vanishes makes its peers' collectives fail, not the other
+    way round."""
+    rank, failure = err.get_first_failure()
+    if _said_why(failure):
+        silent = sorted((f.timestamp, r) for r, f in err.failures.items()
+                        if not _said_why(f) and f.timestamp <= failure.timestamp + 1)
+        if silent:
+            rank = silent[0][1]
+            failure = err.failures[rank]
+    return rank, failure
+
+
+def _said_why(failure) -> bool:
+    return os.path.isfile(failure.error_file)
+
+
 def _report_child_failure(err) -> None:
     """Root cause first, as torchrun does: the first rank that failed and why."""
-    rank, failure = err.get_first_failure()
+    rank, failure = _first_failure(err)
     reason = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
     reason = (reason or "").strip().splitlines()
     detail = reason[-1] if reason else "see its output above"

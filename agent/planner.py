@@ -28,8 +28,8 @@ from dashrun.errors import ProtocolError
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "pieces", "wanted",
-           "widen_once"]
+__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "pieces", "replicated_span",
+           "wanted", "widen_once"]
 
 #: Largest byte range read in one request from dash-memd: small enough to spread one shard over every
 #: stream, large enough that a request's round trip is lost in its transfer.
@@ -54,10 +54,12 @@ class Extent:
                 for s in range(self.start, self.stop, most)] or [self]
 
 
-def wanted(info: CheckpointInfo, tails: Sequence[int], ranks: Collection[int] | None) -> list[Extent]:
-    """What a node restoring ``info`` needs: every shard's slice of the replicated state, and the tails
-    (private state and layout description) of saved rank 0, which describes the replicated state, and of
-    ``ranks``, the node's ranks (None: every saved rank's).
+def wanted(info: CheckpointInfo, tails: Sequence[int], ranks: Collection[int] | None, *,
+           replicated: bool = True) -> list[Extent]:
+    """What a node restoring ``info`` needs: every shard's slice of the replicated state (unless not
+    ``replicated``: a rank reads it itself, see :func:`replicated_span`), and the tails (private state and
+    layout description) of saved rank 0, which describes the replicated state, and of ``ranks``, the node's
+    ranks (None: every saved rank's).
 
     Pieces of sharded state (the end of a private part) are left out: each rank reads the ranges of them it
     needs (:func:`pieces`), from every saved rank's, whose layout descriptions it then needs too.
@@ -66,7 +68,7 @@ def wanted(info: CheckpointInfo, tails: Sequence[int], ranks: Collection[int] | 
     extents = []
     for shard, tail in zip(info.shards, tails):
         rep = shard.rep_end - shard.rep_start
-        if rep:
+        if rep and replicated:
             extents.append(Extent(shard.rank, 0, rep, shard.rep_start))
         own = shard.private_len - shard.pieces_len
         if shard.rank == 0 or ranks is None or shard.rank in ranks:
@@ -94,6 +96,19 @@ def pieces(info: CheckpointInfo, tails: Sequence[int], ranges: Iterable[tuple[in
         if stop > start:
             rep = shard.rep_end - shard.rep_start
             extents.append(Extent(rank, rep + start, rep + stop, tails[rank] + start))
+    return extents
+
+
+def replicated_span(info: CheckpointInfo, start: int, stop: int, at: int = 0) -> list[Extent]:
+    """The extents of bytes ``[start, stop)`` of the replicated state (every shard holds its slice of it first),
+    going to offset ``at`` of a buffer onwards."""
+    if not 0 <= start <= stop <= info.rep_total:
+        raise ProtocolError(f"range [{start}, {stop}) is outside the {info.rep_total} bytes of replicated state")
+    extents = []
+    for shard in info.shards:
+        lo, hi = max(start, shard.rep_start), min(stop, shard.rep_end)
+        if lo < hi:
+            extents.append(Extent(shard.rank, lo - shard.rep_start, hi - shard.rep_start, at + lo - start))
     return extents
 
 

@@ -39,6 +39,7 @@ from dashrun.errors import ConflictError, DashError, ProtocolError, UnavailableE
 from dashrun.util.files import unmap
 from dashrun.wire.agent_messages import (
     Progress,
+    ReadRequest,
     RestoreReply,
     RestoreRequest,
     SnapshotReply,
@@ -117,34 +118,38 @@ class Staged:
 
 
 class SegmentMaps:
-    """The agent's read-only mappings of a rank's staging segments, kept while the rank reuses them.
+    """The agent's mappings of a rank's segments, kept while the rank reuses them: read-only for the staging
+    segments a rank alternates between, writable for the buffers a restore reads into.
 
-    A rank alternates between two segments; mapping each once avoids
-    faulting its pages in again for every checkpoint.
+    Mapping each once avoids faulting its pages in again for every checkpoint (or every piece of a restore).
     """
 
     KEEP = 2
 
-    def __init__(self):
+    def __init__(self, writable: bool = False):
+        self.writable = writable
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._lock = threading.Lock()  # restores map from several threads
 
     def view(self, fd: int, nbytes: int) -> memoryview:
         st = os.fstat(fd)
         if st.st_size < nbytes:
             raise ProtocolError("the segment is smaller than the shard it should hold")
         key = (st.st_dev, st.st_ino)
-        mapped = self._maps.pop(key, None)
-        if mapped is None or len(mapped) != st.st_size:
-            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
-        self._maps[key] = mapped  # most recently used last
-        while len(self._maps) > self.KEEP:
-            unmap(self._maps.pop(next(iter(self._maps))))
-        return memoryview(mapped)[:nbytes]
+        with self._lock:
+            mapped = self._maps.pop(key, None)
+            if mapped is None or len(mapped) != st.st_size:
+                mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0))
+            self._maps[key] = mapped  # most recently used last
+            while len(self._maps) > self.KEEP:
+                unmap(self._maps.pop(next(iter(self._maps))))
+            return memoryview(mapped)[:nbytes]
 
     def close(self) -> None:
-        for mapped in self._maps.values():
-            unmap(mapped)
-        self._maps.clear()
+        with self._lock:
+            for mapped in self._maps.values():
+                unmap(mapped)
+            self._maps.clear()
 
 
 class RankConnection:
@@ -162,6 +167,7 @@ class RankConnection:
         self._snapshots: queue.Queue[Staged | None] = queue.Queue()
         self._staging: dict[int, Staged] = {}
         self._maps = SegmentMaps()
+        self._restore_maps = SegmentMaps(writable=True)
         self.sender = threading.Thread(target=self._send_loop, name="agent-sender", daemon=True)
         self.who = "rank ?"
         self._halves_left = 2  # the reader and the sender
@@ -263,6 +269,7 @@ class RankConnection:
             pass
         with self._send_lock:  # not under a reply being sent: the descriptor's number could be reused meanwhile
             self.ch.close()
+        self._restore_maps.close()
         self.agent.connection_finished(self)
 
     def _dispatch(self, frame: Frame) -> None:
@@ -288,6 +295,16 @@ class RankConnection:
                 staged.advance(progress.ready, progress.failed, progress.crc)
         elif frame.kind == Kind.RESTORE:
             threading.Thread(target=self._restore, args=(request_id, frame.body), daemon=True).start()
+        elif frame.kind == Kind.READ_INTO:
+            try:
+                if len(frame.fds) != 1:
+                    raise ProtocolError("READ_INTO needs exactly one segment descriptor")
+                request = ReadRequest.from_body(frame.body)
+                view = self._restore_maps.view(frame.fds[0], request.at + request.stop - request.start)
+            except ProtocolError as e:
+                self.reply_error(request_id, e)
+                return
+            threading.Thread(target=self._read_into, args=(request_id, request, view), daemon=True).start()
         elif frame.kind == Kind.WAIT:
             threading.Thread(target=self._wait, args=(request_id, frame.body), daemon=True).start()
         elif frame.kind == Kind.PING:
@@ -358,12 +375,14 @@ class RankConnection:
     def _restore(self, request_id: Any, body: dict[str, Any]) -> None:
         try:
             request = RestoreRequest.from_body(body)
-            lease = self.agent.restores.get(request.job, request.step, request.ranks, request.ranges or ())
+            lease = self.agent.restores.get(request.job, request.step, request.ranks, request.ranges or (),
+                                            direct=request.direct)
             if lease is None:
                 self.reply(request_id, RestoreReply(found=False).to_body())
             else:
                 with lease:  # our own descriptor: the cache may drop the image while we send it
-                    reply = RestoreReply(found=True, checkpoint=lease.info, tails=tuple(lease.tails))
+                    reply = RestoreReply(found=True, checkpoint=lease.info, tails=tuple(lease.tails),
+                                         direct=lease.direct)
                     self.reply(request_id, reply.to_body(), fds=[lease.fd])
                 # A rank restoring sharded state asks again for its pieces (in several requests if they are
                 # many): the image stays for that.
@@ -374,6 +393,17 @@ class RankConnection:
             self.reply_error(request_id, e)
         except Exception as e:
             log.exception("restore failed")
+            self.reply_error(request_id, e)
+
+    def _read_into(self, request_id: Any, request: ReadRequest, view: memoryview) -> None:
+        try:
+            with view:
+                self.agent.restores.read_into(request, view)
+            self.reply(request_id)
+        except DashError as e:
+            self.reply_error(request_id, e)
+        except Exception as e:
+            log.exception("reading a restore's range failed")
             self.reply_error(request_id, e)
 
     def _wait(self, request_id: Any, body: dict[str, Any]) -> None:

@@ -6,7 +6,11 @@ the replicated state, and their own private parts; see
 :func:`dashrun.agent.planner.wanted`) through the source planner into a new
 memfd segment laid out as :mod:`dashrun.wire.image` says, and the node's
 other ranks are handed descriptors of the same segment; a rank whose private
-part is not in it yet has it fetched into place first. When the agent
+part is not in it yet has it fetched into place first. The only rank of a
+node may instead read the replicated state itself (``direct``), piece by piece
+into buffers it reuses (:meth:`RestoreCache.read_into`), and copy it into the
+tensors it has: the image then holds the tails alone, and no fresh memory the
+size of the state is written first. When the agent
 starts for a job it fetches the job's newest checkpoint at once
 (:meth:`RestoreCache.prefetch`), while the ranks are still starting, so that
 their ``restore()`` finds it on this node. The agent drops its own descriptor
@@ -27,10 +31,11 @@ import time
 from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, pieces, wanted, widen_once
-from dashrun.errors import ChecksumError, DashError, NotFoundError
+from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, pieces, replicated_span, wanted, widen_once
+from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError
 from dashrun.util.files import unmap
 from dashrun.wire import image
+from dashrun.wire.agent_messages import ReadRequest
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
@@ -59,6 +64,12 @@ class RestoreImage:
     handed_out: int = 0  # ranks that received a descriptor of it
     held: set[Extent] = dataclasses.field(default_factory=set)  # the byte ranges in it
 
+    @property
+    def has_replicated(self) -> bool:
+        """Whether the replicated state is in it (not left to a rank that reads it directly)."""
+        return all(e in self.held for e in wanted(self.info, self.tails, (), replicated=True)
+                   if e.at < self.info.rep_total)
+
 
 @dataclasses.dataclass
 class Lease:
@@ -74,6 +85,11 @@ class Lease:
     @property
     def tails(self) -> list[int]:
         return self.image.tails
+
+    @property
+    def direct(self) -> bool:
+        """The image leaves the replicated state to the rank (see :meth:`RestoreCache.read_into`)."""
+        return not self.image.has_replicated
 
     def close(self) -> None:
         os.close(self.fd)
@@ -137,14 +153,16 @@ class RestoreCache:
         self._fetching: dict[str, threading.Lock] = {}
         self._images: dict[tuple[str, int], RestoreImage] = {}
         self._waiting = 0  # ranks in get(): a fetch meanwhile is what they wait for (guarded by _lock)
+        self._readers = threading.BoundedSemaphore(config.restore_streams)  # read_into()s at once
 
     def get(self, job: str, step: int | None, ranks: Collection[int] | None = None,
-            ranges: Collection[tuple[int, int, int]] = ()) -> Lease | None:
+            ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease | None:
         """The image of a committed checkpoint (the newest, or ``step``); None if the job has none.
 
         The image holds the replicated state and the private parts of saved rank 0 and of ``ranks``
         (None: of every saved rank), and ``ranges`` of private parts (see
         :func:`dashrun.agent.planner.pieces`). The caller closes the lease once it has sent the descriptor on.
+        With ``direct``, the replicated state is left out unless this node holds it already (the lease says).
 
         A newest checkpoint whose bytes fail their checksum (dash-memd drops
         one that fails in its object tier), or that is gone by the time it is
@@ -154,7 +172,7 @@ class RestoreCache:
         with self._lock:
             self._waiting += 1
         try:
-            return self._get_newest(job, step, ranks, ranges)
+            return self._get_newest(job, step, ranks, ranges, direct)
         finally:
             with self._lock:
                 self._waiting -= 1
@@ -164,14 +182,14 @@ class RestoreCache:
             return self._waiting > 0
 
     def _get_newest(self, job: str, step: int | None, ranks: Collection[int] | None,
-                    ranges: Collection[tuple[int, int, int]] = ()) -> Lease | None:
+                    ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease | None:
         with self.clients.client() as client:
             for attempt in range(1, CORRUPT_FALLBACKS + 1):
                 info = client.latest(job, step)
                 if info is None:
                     return None
                 try:
-                    return self._get(info, ranks, ranges)
+                    return self._get(info, ranks, ranges, direct)
                 except (ChecksumError, NotFoundError) as e:  # corrupt, or dropped since LATEST answered
                     if step is not None or attempt == CORRUPT_FALLBACKS:
                         raise
@@ -190,7 +208,7 @@ class RestoreCache:
             lease.close()
 
     def _get(self, info: CheckpointInfo, ranks: Collection[int] | None,
-             ranges: Collection[tuple[int, int, int]] = ()) -> Lease:
+             ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease:
         job = info.job
         with self._lock:
             job_lock = self._fetching.setdefault(job, threading.Lock())
@@ -202,12 +220,13 @@ class RestoreCache:
                     lease = Lease(cached, os.dup(cached.fd))
             if lease is not None:
                 try:
-                    self._fill(cached, ranks, ranges)  # ranges this rank needs that no rank of the node needed before
+                    # ranges this rank needs that no rank of the node needed before
+                    self._fill(cached, ranks, ranges, replicated=not direct or cached.has_replicated)
                 except BaseException:
                     lease.close()
                     raise
                 return lease
-            fetched = self._fetch(info, ranks, ranges)
+            fetched = self._fetch(info, ranks, ranges, replicated=not direct)
             with self._lock:
                 old = self._images.pop((job, info.step), None)
                 self._images[(job, info.step)] = fetched
@@ -217,23 +236,23 @@ class RestoreCache:
             return lease
 
     def _fetch(self, info: CheckpointInfo, ranks: Collection[int] | None,
-               ranges: Collection[tuple[int, int, int]] = ()) -> RestoreImage:
+               ranges: Collection[tuple[int, int, int]] = (), replicated: bool = True) -> RestoreImage:
         tails, size = image.layout(info)
         fd = os.memfd_create(f"dashrun-restore-{info.job}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, max(size, 1))
             fetched = RestoreImage(info, fd, tails)
-            self._fill(fetched, ranks, ranges)
+            self._fill(fetched, ranks, ranges, replicated=replicated)
         except BaseException:
             os.close(fd)
             raise
         return fetched
 
     def _fill(self, held: RestoreImage, ranks: Collection[int] | None,
-              ranges: Collection[tuple[int, int, int]] = ()) -> None:
+              ranges: Collection[tuple[int, int, int]] = (), replicated: bool = True) -> None:
         """Read the ranges of ``held`` that ``ranks`` (and ``ranges``) need and it lacks, through the planner."""
         info = held.info
-        missing = [e for e in wanted(info, held.tails, ranks) + pieces(info, held.tails, ranges)
+        missing = [e for e in wanted(info, held.tails, ranks, replicated=replicated) + pieces(info, held.tails, ranges)
                    if e not in held.held]
         if not missing:
             return
@@ -255,6 +274,20 @@ class RestoreCache:
         held.held.update(missing)
         log.info("fetched %s step %d (%s) in %.2fs", info.job, info.step,
                  ", ".join(f"{n} bytes from {source}" for source, n in served.items()), time.monotonic() - started)
+
+    def read_into(self, request: ReadRequest, view: memoryview) -> None:
+        """Bytes ``[start, stop)`` of the replicated state of a committed checkpoint into ``view`` at ``at``,
+        from the fastest source that holds them; refused (NotFoundError) if that checkpoint is no longer the
+        one committed at ``committed_at``. A rank waits for them: the reading threads may use every CPU."""
+        with self._readers:  # as many as the streams a fetch would use; the rank keeps more asked for
+            with self.clients.client() as client:
+                info = client.latest(request.job, request.step)
+            if info is None or info.step != request.step or info.committed_at != request.committed_at:
+                raise NotFoundError(f"{request.job} step {request.step} went away while it was restored")
+            extents = replicated_span(info, request.start, request.stop, request.at)
+            if request.at + (request.stop - request.start) > len(view):
+                raise ProtocolError("the segment is smaller than the range asked for")
+            Planner([MemdSource(self.clients.client, 1)]).read(info, extents, view)
 
     def handed_out(self, image: RestoreImage, local_ranks: int) -> None:
         """Count a rank served; once every local rank has its own descriptor, the agent's goes."""

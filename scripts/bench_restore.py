@@ -4,7 +4,8 @@
 For each state size (an MLP's fp32 parameters + AdamW state, as in
 ``bench_checkpoint.py``), one process holds the model and restores the same
 checkpoint again and again, each way in turn (interleaved rounds, best and
-median per way):
+median per way), each time as a relaunched rank would: its parameters
+allocated and touched, its optimizer without state yet:
 
 * **loopback limit** — the same bytes over loopback TCP into a reused buffer,
   receiver on the other core: the network's speed on this machine;
@@ -14,7 +15,10 @@ median per way):
   (warm) into the model's and optimizer's state dicts + ``set_state_dict``;
 * **dashrun, dash-memd RAM** — ``Checkpointer.restore()`` through a real
   dash-agent from a real dash-memd that holds the checkpoint in RAM (TLS, and
-  ``--no-tls``): the agent fetches it, the rank loads it;
+  ``--no-tls``), as the only rank of its node: the rank has the agent read the
+  state piece by piece into a few reused buffers and copies it into its
+  tensors; and as the first rank of a node of two (**2-rank node**): the
+  agent fetches it into an image for both, the rank loads it from there;
 * **dashrun, this node** — the same, when the node already holds the image
   (another local rank fetched it, or the agent fetched it ahead as it started);
 * **dashrun, dash-memd disk** — dash-memd restarted before the round, so that it
@@ -36,6 +40,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -133,7 +138,9 @@ class Stack:
                                LOCAL_WORLD_SIZE=str(local_world))
 
 
-def timed(fn) -> float:
+def timed(fn, before=None) -> float:
+    if before is not None:
+        before()
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
@@ -201,23 +208,32 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
             finally:
                 ckpt.close()
 
+    def relaunched() -> None:
+        """As in a relaunched rank: the model built (its parameters touched), the optimizer without state yet
+        (an earlier way's is let go, and with it the memory it held)."""
+        optimizer.state.clear()
+        gc.collect()
+
     times: dict[str, list[float]] = {}
     ways = {"torch.load": lambda: torch_load(False), "torch.load(mmap=True)": lambda: torch_load(True),
             "DCP load": dcp_load}
     for _ in range(rounds + 1):  # the first round warms up (page cache, buffers)
         for name, fn in ways.items():
-            times.setdefault(name, []).append(timed(fn))
+            times.setdefault(name, []).append(timed(fn, relaunched))
         for stack in stacks:
             label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
+            # A node of one rank reads the state from dash-memd's RAM straight into its tensors.
+            times.setdefault(f"{label}, dash-memd RAM", []).append(timed(lambda: restore(stack, 1), relaunched))
             # A node of two ranks: the first restore fetches the image from dash-memd's RAM, the second is
             # served the image this node holds.
-            times.setdefault(f"{label}, dash-memd RAM", []).append(timed(lambda: restore(stack, 2)))
-            times.setdefault(f"{label}, this node", []).append(timed(lambda: restore(stack, 2)))
+            times.setdefault(f"{label}, dash-memd RAM, 2-rank node", []).append(
+                timed(lambda: restore(stack, 2), relaunched))
+            times.setdefault(f"{label}, this node", []).append(timed(lambda: restore(stack, 2), relaunched))
     for stack in stacks:  # from disk: dash-memd restarted before each round holds nothing in RAM
         label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
         for _ in range(rounds):
             stack.restart_memd()
-            times.setdefault(f"{label}, dash-memd disk", []).append(timed(lambda: restore(stack)))
+            times.setdefault(f"{label}, dash-memd disk", []).append(timed(lambda: restore(stack), relaunched))
     times = {name: t[1:] if len(t) > rounds else t for name, t in times.items()}
     loopback = bench.measure_loopback(nbytes, side_core, procs)
     return {"state_bytes": described["state_bytes"], "checkpoint_bytes": nbytes, "model": described,
@@ -267,10 +283,10 @@ def report(results: list[dict], machine: dict) -> None:
         nbytes = r["checkpoint_bytes"]
         limit = r["loopback"]["time_s"]
         print(f"\nstate {nbytes / MiB:.0f} MiB; loopback TCP limit {limit:.3f} s ({nbytes / limit / GiB:.2f} GiB/s)")
-        print(f"  {'way':34} {'best s':>8} {'median s':>9} {'GiB/s':>7} {'x limit':>8} {'x torch.load':>13}")
+        print(f"  {'way':46} {'best s':>8} {'median s':>9} {'GiB/s':>7} {'x limit':>8} {'x torch.load':>13}")
         base = r["ways"]["torch.load"]["median_s"]
         for name, w in r["ways"].items():
-            print(f"  {name:34} {w['best_s']:8.3f} {w['median_s']:9.3f} {nbytes / w['best_s'] / GiB:7.2f} "
+            print(f"  {name:46} {w['best_s']:8.3f} {w['median_s']:9.3f} {nbytes / w['best_s'] / GiB:7.2f} "
                   f"{w['median_s'] / limit:8.2f} {w['median_s'] / base:13.2f}")
         if r["relaunch"]:
             print("  relaunch, command to restore() returned:")

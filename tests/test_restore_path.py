@@ -10,12 +10,13 @@ from conftest import wait_for
 from runs import Cursor
 from test_checkpointer import fresh_objects, same_state, save_world, trained_objects
 
-from dashrun.agent.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, wanted
+from dashrun.agent.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, replicated_span, wanted
 from dashrun.agent.restores import ClientPool
-from dashrun.errors import ProtocolError
+from dashrun.errors import NotFoundError, ProtocolError, UnavailableError
+from dashrun.rank import restore
 from dashrun.wire import image
 from dashrun.wire.agent_link import AgentLink
-from dashrun.wire.agent_messages import RestoreRequest
+from dashrun.wire.agent_messages import ReadRequest, RestoreRequest
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import Kind
 
@@ -197,3 +198,108 @@ def test_the_agent_keeps_its_connections_to_dash_memd_between_restores_but_not_d
         assert client.ping()  # not the dead one
     assert len(made) == 2
     pool.close()
+
+
+def state_tensors(model, opt) -> list[torch.Tensor]:
+    return list(model.state_dict().values()) + [t for s in opt.state.values() for t in s.values()]
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["optimizer-state-exists", "no-optimizer-state"])
+def test_the_only_rank_of_a_node_reads_the_state_straight_into_the_tensors_it_has(stack, rank_env, monkeypatch,
+                                                                                  with_state):
+    """A rank alone on its node has the agent read the replicated state through small reused buffers into its
+    own tensors: the node's image holds the tails alone, the parameters (and the optimizer state, where there is
+    one) are the same tensors after as before, and the state equals the saved one."""
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "direct", 2, 6, model, opt, sched, [3, 4])  # the replicated state spans 2 shards
+    with memd.client() as client:
+        info = client.latest("direct")
+    # Pieces smaller than a leaf and not aligned to one, so that leaves span pieces and buffers are reused.
+    monkeypatch.setattr(restore, "DIRECT_SLOT", 4096 + 64)
+    monkeypatch.setattr(restore, "DIRECT_SLOTS", 3)
+    model2, opt2, sched2 = trained_objects(seed=99, steps=1 if with_state else 0)
+    before = {t.data_ptr() for t in state_tensors(model2, opt2)}
+    assert bool(opt2.state) == with_state
+    ckpt = rank_env(agent, "direct", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    assert ckpt.restore() == 7
+    ckpt.close()
+    assert same_state(model, model2) and same_state(opt, opt2) and ckpt.objects["data"].position == 3
+    after = {t.data_ptr() for t in state_tensors(model2, opt2)}
+    assert {t.data_ptr() for t in model2.state_dict().values()} <= before  # the parameters were written in place
+    assert (after == before) == with_state  # so was the optimizer's state, where it had one
+    fetched = [line for line in agent.log().splitlines() if "fetched direct step 6" in line]
+    tails = sum(s.nbytes - (s.rep_end - s.rep_start) for s in info.shards)
+    assert len(fetches := fetched) == 1 and f"({tails} bytes from dash-memd)" in fetches[0]  # no replicated bytes
+    torch.manual_seed(5)  # and it trains on
+    model2(torch.randn(16, 64)).pow(2).mean().backward()
+    opt2.step()
+
+
+def test_a_rank_of_a_node_of_several_maps_the_node_image_instead(stack, rank_env):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "shared", 1, 2, model, opt, sched, [0])
+    model2, opt2, sched2 = fresh_objects()
+    ckpt = rank_env(agent, "shared", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    ckpt.local_world = 2  # a node of two ranks: one download for both
+    assert ckpt.restore() == 3
+    ckpt.close()
+    assert same_state(model, model2) and same_state(opt, opt2)
+    with memd.client() as client:
+        nbytes = client.latest("shared").nbytes
+    assert any(f"({nbytes} bytes from dash-memd)" in line for line in agent.log().splitlines())
+
+
+def test_a_direct_read_that_fails_loads_the_checkpoint_from_the_node_image(stack, rank_env, monkeypatch):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "fallback", 1, 2, model, opt, sched, [0])
+    real, failed = restore._stream, []
+
+    def failing(plan, read_span):
+        if not failed:
+            failed.append(True)
+            real(plan[:1], read_span)  # the first leaf is written in place, then the agent "goes away"
+            raise UnavailableError("dash-agent went away")
+        real(plan, read_span)
+
+    monkeypatch.setattr(restore, "_stream", failing)
+    model2, opt2, sched2 = trained_objects(seed=99, steps=1)
+    ckpt = rank_env(agent, "fallback", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    assert ckpt.restore() == 3
+    ckpt.close()
+    assert failed and same_state(model, model2) and same_state(opt, opt2)
+
+
+def test_a_read_into_the_ranks_buffers_is_bounded_and_of_the_checkpoint_the_rank_was_told(stack, rank_env):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "bounded", 2, 2, model, opt, sched, [0, 0])
+    with memd.client() as client:
+        info = client.latest("bounded")
+    whole = bytearray(info.rep_total)
+    Planner([MemdSource(memd.client)]).read(info, replicated_span(info, 0, info.rep_total), memoryview(whole))
+    fd = os.memfd_create("ring")
+    os.ftruncate(fd, 8192)
+    link = AgentLink(str(agent.socket_path))
+    try:
+        def read(start, stop, at=0, committed_at=info.committed_at, job="bounded"):
+            request = ReadRequest(job, info.step, committed_at, start, stop, at)
+            link.request(Kind.READ_INTO, request.to_body(), fds=[fd]).result(timeout=30).close_fds()
+            return os.pread(fd, stop - start, at)
+
+        middle = info.shards[0].rep_end - 100  # across the two shards' slices
+        assert read(middle, middle + 200, at=4096) == bytes(whole[middle:middle + 200])
+        with pytest.raises(ProtocolError):
+            read(info.rep_total - 10, info.rep_total + 1)  # past the replicated state
+        with pytest.raises(ProtocolError):
+            read(0, 4097, at=4096)  # past the segment
+        with pytest.raises(NotFoundError):
+            read(0, 10, committed_at=info.committed_at + 1)  # another commit of the step
+        with pytest.raises(NotFoundError):
+            read(0, 10, job="no-such-job")
+        assert link.call(Kind.PING, timeout=10).body["pid"]  # refused requests leave the agent serving
+    finally:
+        link.close()
+        os.close(fd)

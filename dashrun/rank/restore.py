@@ -10,31 +10,43 @@ number, and what has no owner is reported. Module buffers, which the saving
 ranks kept in their private state (see :mod:`dashrun.rank.snapshot`), go
 back into the replicated state: the rank's own where it saved its own, else
 rank 0's (every rank of a node has every saved rank's part in the image).
+
+The only rank of a node on the CPU reads the replicated state *directly*:
+through a few small buffers it reuses, straight into the tensors it already
+has (its parameters, its optimizer's state); the image then holds the tails
+alone. Fresh memory costs more per byte than the network here, and a rank
+that built its model has touched its parameters' memory already.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import ctypes
 import dataclasses
+import functools
+import itertools
 import logging
 import math
 import mmap
 import os
 import random
 import sys
+import threading
 import time
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dashrun.errors import ProtocolError, UnavailableError, UsageError
+from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError, UsageError
 from dashrun.rank import sharded, statetree
 from dashrun.rank.notices import in_process_group
 from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
 from dashrun.wire import image
 from dashrun.wire.agent_link import AgentLink
-from dashrun.wire.agent_messages import MAX_RANGES, RestoreReply, RestoreRequest
+from dashrun.wire.agent_messages import MAX_RANGES, ReadRequest, RestoreReply, RestoreRequest
 from dashrun.wire.channel import Frame
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.protocol import Kind
@@ -50,15 +62,17 @@ RESTORE_TIMEOUT = 120.0
 
 
 def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails: Sequence[int], *,
-                      copy: bool, rank: int = 0) -> dict[str, Any]:
-    """The state every rank held alike, from a restore image; ``copy=False`` gives views into it.
+                      copy: bool, rank: int = 0, leaves: list[Any] | None = None) -> dict[str, Any]:
+    """The state every rank held alike, from a restore image; ``copy=False`` gives views into it, ``leaves``
+    its tensors read already (see :func:`read_direct`).
 
     Module buffers are saved rank ``rank``'s where it kept its own
     (DDP with ``broadcast_buffers=False``, a sharded model), rank 0's otherwise.
     """
     rep = image.meta(mapped, info, tails, 0)["replicated"]
-    state = statetree.unflatten(rep["tree"], statetree.materialize(rep["tensors"], region[:info.rep_total],
-                                                                    copy=copy))
+    if leaves is None:
+        leaves = statetree.materialize(rep["tensors"], region[:info.rep_total], copy=copy)
+    state = statetree.unflatten(rep["tree"], leaves)
     owners = [rank, 0] if 0 < rank < info.world else [0]
     kept = [decode_private(region, mapped, info, tails, owner).get(BUFFERS, {}) for owner in owners]
     for name, tree in state.items():
@@ -181,7 +195,9 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
     this rank knows which it needs; ``stats`` (if given) is told the bytes of them needed and read.
     """
     first_rank = first_local_rank(rank, local_rank)
-    reply, frame = fetch(link, RestoreRequest(job_id, None, local_world, first_rank), on_wait)
+    # A node of several ranks downloads the state once, into the image they all map.
+    direct = local_world == 1 and _device_of(objects) is None
+    reply, frame = fetch(link, RestoreRequest(job_id, None, local_world, first_rank, direct=direct), on_wait)
     found_step = reply.checkpoint.step if reply.found else -1
     agreed = agree(found_step)
     if agreed != found_step:
@@ -189,7 +205,8 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
         if agreed < 0:  # another rank found none
             reply = RestoreReply(found=False)
         else:
-            reply, frame = fetch(link, RestoreRequest(job_id, agreed, local_world, first_rank), on_wait)
+            reply, frame = fetch(link, RestoreRequest(job_id, agreed, local_world, first_rank, direct=direct),
+                                 on_wait)
     if not reply.found:
         log.info("dashrun: no checkpoint of job %s yet: starting from step 0", job_id)
         return None
@@ -205,7 +222,24 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
                                    hint="run again: it restores the newest checkpoint then")
         return again.fds[0]
 
+    def read_span(start: int, stop: int, fd: int, at: int) -> concurrent.futures.Future[Frame]:
+        request = ReadRequest(job_id, step, reply.checkpoint.committed_at, start, stop, at)
+        return link.request(Kind.READ_INTO, request.to_body(), fds=[fd])
+
     try:
+        load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world, owners=owners,
+             read_pieces=read_pieces, stats=stats, read_span=read_span)
+    except (UnavailableError, ProtocolError, ChecksumError, NotFoundError) as e:
+        if not reply.direct:
+            raise
+        # The checkpoint is loaded again whole from the node's image, which then holds the replicated state.
+        log.warning("dashrun: reading step %d straight into this rank's tensors failed (%s): loading it from "
+                    "the node's image", step, e)
+        frame.close_fds()
+        reply, frame = fetch(link, RestoreRequest(job_id, step, local_world, first_rank), on_wait)
+        if not reply.found:
+            raise UnavailableError(f"checkpoint of step {step} went away while it was restored",
+                                   hint="run again: it restores the newest checkpoint then") from None
         load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world, owners=owners,
              read_pieces=read_pieces, stats=stats)
     finally:
@@ -215,7 +249,8 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
 
 def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
          job_id: str, rank: int, world: int, read_pieces: Callable[[list[tuple[int, int, int]]], int],
-         owners: Mapping[str, torch.nn.Module] | None = None, stats: dict[str, int] | None = None) -> None:
+         owners: Mapping[str, torch.nn.Module] | None = None, stats: dict[str, int] | None = None,
+         read_span: Callable[[int, int, int, int], concurrent.futures.Future[Frame]] | None = None) -> None:
     """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states.
 
     Module parameters and buffers are copied into the module's own (already allocated) tensors. Other
@@ -226,19 +261,34 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     Sharded state (DTensors) is resharded: this rank's tensors say which pieces of the global tensors it holds
     now, ``read_pieces(ranges)`` makes the agent read those byte ranges of the saved pieces into the image
     (returning a descriptor of it), and they are copied into place (see :mod:`dashrun.rank.sharded`).
+
+    When the reply says ``direct``, the image lacks the replicated state: it is read with
+    ``read_span(start, stop, fd, at)`` (a READ_INTO) straight into the tensors the objects have (see
+    :func:`read_direct`).
     """
     owners = owners or {}
     info, tails = reply.checkpoint, reply.tails
     size = os.fstat(fd).st_size
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
-    _populate(mapped, info.rep_total)
+    if not reply.direct:
+        _populate(mapped, info.rep_total)
     region = torch.frombuffer(mapped, dtype=torch.uint8)
-    if "dcp" in image.meta(mapped, info, tails, 0):
+    meta = image.meta(mapped, info, tails, 0)
+    if "dcp" in meta:
         raise UsageError(f"checkpoint of step {info.step} of job {job_id} was written by dcp.save through "
                          "dashrun.dcp.Writer, not by a Checkpointer",
                          hint=f"load it with dcp.load(state, checkpoint_id={info.step}, "
                               "storage_reader=dashrun.dcp.Reader())")
-    replicated = decode_replicated(region, mapped, info, tails, copy=False, rank=rank)
+    leaves = None
+    if reply.direct:
+        if read_span is None:
+            raise ProtocolError("dash-agent left out the replicated state of a rank that cannot read it")
+        rep = meta["replicated"]
+        targets = in_place_targets(rep["tree"], rep["tensors"],
+                                   {name: obj for name, obj in objects.items()
+                                    if name not in per_rank and name not in owners})
+        leaves = read_direct(rep["tensors"], targets, info.rep_total, read_span)
+    replicated = decode_replicated(region, mapped, info, tails, copy=False, rank=rank, leaves=leaves)
     private = decode_private(region, mapped, info, tails, rank) if rank < info.world else None
     report_world_change(info, rank, world, per_rank)
 
@@ -261,6 +311,192 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     del replicated, region
     log.info("dashrun: restored job %s step %d (%d bytes, saved by %d ranks)", job_id, info.step,
              info.nbytes, info.world)
+
+
+class _Leaf:
+    """Where leaf ``index`` of the saved state sits in its tree (see :func:`in_place_targets`)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def in_place_targets(skeleton: Any, entries: Sequence[Any], objects: Mapping[str, Any]) -> dict[int, torch.Tensor]:
+    """The tensors ``objects`` have now that saved leaves can be read straight into, by leaf index: at the
+    same place of the object's ``state_dict()``, on the CPU, dense and contiguous, of the saved dtype and shape,
+    and each taken once (tied weights keep one)."""
+    tree = statetree.unflatten(skeleton, [_Leaf(i) for i in range(len(entries))])
+    found: dict[int, torch.Tensor] = {}
+
+    def match(saved: Any, current: Any) -> None:
+        if isinstance(saved, _Leaf):
+            if type(current) in (torch.Tensor, torch.nn.Parameter):
+                found[saved.index] = current
+        elif isinstance(saved, Mapping) and isinstance(current, Mapping):
+            for key, value in saved.items():
+                if key in current:
+                    match(value, current[key])
+        elif isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
+            for value, now in zip(saved, current):
+                match(value, now)
+
+    for name, obj in objects.items():
+        if name in tree and hasattr(obj, "state_dict"):
+            match(tree[name], obj.state_dict())
+    targets, taken = {}, set()
+    for index, tensor in sorted(found.items()):
+        kind, dtype, shape = entries[index][:3]
+        if (kind == "t" and tensor.device.type == "cpu" and tensor.layout == torch.strided
+                and tensor.is_contiguous() and not tensor.requires_grad and str(tensor.dtype) == f"torch.{dtype}"
+                and list(tensor.shape) == list(shape) and tensor.data_ptr() not in taken):
+            targets[index] = tensor
+            if tensor.numel():
+                taken.add(tensor.data_ptr())
+    return targets
+
+
+#: A direct read's buffers: how many are in flight at once, and the bytes of each.
+DIRECT_SLOTS = 4
+DIRECT_SLOT = 16 << 20
+
+
+def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep_total: int,
+                read_span: Callable[[int, int, int, int], concurrent.futures.Future[Frame]]) -> list[Any]:
+    """The replicated state's leaves, read through a few reused buffers into ``targets`` (new tensors where a
+    leaf has none): ``read_span(start, stop, fd, at)`` has the agent read bytes ``[start, stop)`` of it into
+    the buffers' segment ``fd`` at ``at``, each piece verified against its CRC-32C on the way."""
+    leaves: list[Any] = []
+    plan: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, destination bytes)
+    arrays: list[tuple[int, torch.Tensor, str, list[int]]] = []
+    for index, entry in enumerate(entries):
+        kind, dtype, shape, offset = entry[:4]
+        if kind == "t":
+            torch_dtype = getattr(torch, dtype, None)
+            if not isinstance(torch_dtype, torch.dtype):
+                raise UsageError(f"checkpoint holds an unknown tensor dtype {dtype!r}")
+            dest = targets.get(index)
+            if dest is None:
+                dest = torch.empty(shape, dtype=torch_dtype)
+            leaves.append(dest)
+            nbytes = dest.numel() * dest.element_size()
+            flat = dest.reshape(-1).view(torch.uint8) if nbytes else None
+        else:
+            import numpy
+
+            nbytes = math.prod(shape) * numpy.dtype(dtype).itemsize
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+            arrays.append((index, flat, dtype, shape))
+            leaves.append(None)
+        if not 0 <= offset <= offset + nbytes <= rep_total:
+            raise ProtocolError("a saved tensor lies outside the replicated state")
+        if nbytes:
+            plan.append((offset, nbytes, flat))
+    plan.sort(key=lambda p: p[0])
+    fresh = [leaf for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and index not in targets]
+    stop = threading.Event()
+    toucher = threading.Thread(target=_touch, args=(fresh, stop), name="dashrun-restore-touch", daemon=True)
+    toucher.start()
+    try:
+        _stream(plan, read_span)
+    finally:
+        stop.set()
+        toucher.join()
+    for index, flat, dtype, shape in arrays:
+        import numpy
+
+        leaves[index] = flat.numpy().view(numpy.dtype(dtype)).reshape(shape)
+    return leaves
+
+
+def _touch(tensors: Sequence[torch.Tensor], stop: threading.Event) -> None:
+    """Give new tensors their memory while the rank waits for the first bytes, rather than page by page as
+    they are copied (a page fault each, on the rank's core)."""
+    madvise = _libc_madvise()
+    if madvise is None:
+        return
+    for tensor in tensors:
+        start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+        for at in range(start, end, TOUCH_STEP):
+            if stop.is_set() or madvise(at, min(TOUCH_STEP, end - at), MADV_POPULATE_WRITE) != 0:
+                return  # done waiting, or a kernel before 5.14: the copies fault the pages in
+
+
+#: Bytes of new tensors given memory per call while a direct read waits.
+TOUCH_STEP = 8 << 20
+#: ``madvise`` advice that maps pages for writing (Linux 5.14).
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+@functools.cache
+def _libc_madvise():
+    """libc's ``madvise`` through ctypes, which lets go of the GIL while it runs; None where there is none."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call
+
+
+def _stream(plan: list[tuple[int, int, torch.Tensor]],
+            read_span: Callable[[int, int, int, int], concurrent.futures.Future[Frame]]) -> None:
+    """Read the bytes of ``plan`` (sorted by offset) through DIRECT_SLOTS buffers: while the rank copies one
+    piece into place, the agent fills the others."""
+    spans = []
+    for offset, nbytes, _ in plan:  # the runs of bytes wanted (only alignment lies between leaves)
+        if spans and offset <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], offset + nbytes)
+        else:
+            spans.append([offset, offset + nbytes])
+    pieces = [(start, min(start + DIRECT_SLOT, stop)) for start, stop in spans
+              for start in range(start, stop, DIRECT_SLOT)]
+    if not pieces:
+        return
+    slots = min(DIRECT_SLOTS, len(pieces))
+    fd = os.memfd_create("dashrun-restore-direct", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, slots * DIRECT_SLOT)
+        buffers = torch.frombuffer(mmap.mmap(fd, slots * DIRECT_SLOT), dtype=torch.uint8)
+        in_flight: collections.deque = collections.deque()
+        following = iter(pieces)
+
+        def ask(slot: int) -> None:
+            piece = next(following, None)
+            if piece is not None:
+                in_flight.append((read_span(piece[0], piece[1], fd, slot * DIRECT_SLOT), slot, piece))
+
+        for slot in range(slots):
+            ask(slot)
+        first = 0  # plan entries before it end before the piece being copied
+        try:
+            while in_flight:
+                future, slot, (start, stop) = in_flight.popleft()
+                try:
+                    future.result(timeout=RESTORE_TIMEOUT).close_fds()
+                except concurrent.futures.TimeoutError:
+                    raise UnavailableError(f"dash-agent did not read bytes {start}-{stop} of the checkpoint "
+                                           f"within {RESTORE_TIMEOUT:.0f} s") from None
+                base = slot * DIRECT_SLOT - start
+                while first < len(plan) and plan[first][0] + plan[first][1] <= start:
+                    first += 1
+                for offset, nbytes, flat in itertools.islice(plan, first, None):
+                    if offset >= stop:
+                        break
+                    lo, hi = max(start, offset), min(stop, offset + nbytes)
+                    if lo < hi:
+                        flat[lo - offset:hi - offset].copy_(buffers[base + lo:base + hi])
+                ask(slot)
+        finally:
+            for future, _, _ in in_flight:  # the agent is still writing: wait, so the buffers outlive it
+                try:
+                    future.result(timeout=RESTORE_TIMEOUT)
+                except Exception:
+                    pass
+    finally:
+        os.close(fd)
 
 
 def saved_pieces(mapped, info: CheckpointInfo, tails: Sequence[int],

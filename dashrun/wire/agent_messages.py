@@ -12,6 +12,7 @@ frame                 request (rank -> agent)                    reply (agent ->
 SNAPSHOT (+ segment)  :class:`SnapshotRequest`                   :class:`SnapshotReply`
 PROGRESS              :class:`Progress` (one-way)                -
 RESTORE               :class:`RestoreRequest`                    :class:`RestoreReply` (+ image)
+READ_INTO (+ segment) :class:`ReadRequest`                       ``{}`` (the bytes are in place)
 WAIT                  :class:`WaitRequest`                       :class:`WaitReply`
 PING                  ``{}``                                     ``{"pid": ...}``
 ====================  =========================================  ===============================
@@ -35,13 +36,15 @@ from dashrun.wire.protocol import (
     field_step,
 )
 
-__all__ = ["MAX_RANGES", "MAX_WAIT", "Progress", "RestoreReply", "RestoreRequest", "SnapshotReply", "SnapshotRequest",
-           "WaitReply", "WaitRequest"]
+__all__ = ["MAX_RANGES", "MAX_READ", "MAX_WAIT", "Progress", "ReadRequest", "RestoreReply", "RestoreRequest",
+           "SnapshotReply", "SnapshotRequest", "WaitReply", "WaitRequest"]
 
 #: Longest a WAIT may block.
 MAX_WAIT = 3600.0
 #: Most byte ranges one RESTORE may ask for besides the node's parts.
 MAX_RANGES = 16384
+#: Most bytes one READ_INTO may ask for.
+MAX_READ = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,9 @@ class RestoreRequest:
     state asks twice, the second time with its ranges (perhaps none); None: not such a second request. More
     than :data:`MAX_RANGES` go in several requests, every one but the last with ``more``: the image stays for
     the next (it is not yet the rank's).
+
+    ``direct``: the rank would rather read the replicated state itself, straight into the tensors it has
+    (:class:`ReadRequest`), than map it from the image: the reply says whether the image leaves it out.
     """
 
     job: str
@@ -139,6 +145,7 @@ class RestoreRequest:
     first_rank: int | None = None
     ranges: tuple[tuple[int, int, int], ...] | None = None
     more: bool = False
+    direct: bool = False
 
     @property
     def ranks(self) -> range | None:
@@ -150,6 +157,8 @@ class RestoreRequest:
             body["ranges"] = [list(r) for r in self.ranges]
         if self.more:
             body["more"] = True
+        if self.direct:
+            body["direct"] = True
         return body
 
     @classmethod
@@ -169,22 +178,28 @@ class RestoreRequest:
         return cls(job=field_job(body), step=field_step(body) if body.get("step") is not None else None,
                    local_ranks=field_int(body, "local_ranks", 1, MAX_WORLD, default=1),
                    first_rank=None if first is None else field_int(body, "first_rank", 0, MAX_WORLD),
-                   ranges=None if ranges is None else tuple(ranges), more=field_bool(body, "more", default=False))
+                   ranges=None if ranges is None else tuple(ranges), more=field_bool(body, "more", default=False),
+                   direct=field_bool(body, "direct", default=False))
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoreReply:
     """``found``: the image's descriptor is attached, laid out as :mod:`dashrun.wire.image` says, with each
-    saved rank's tail at ``tails[rank]``."""
+    saved rank's tail at ``tails[rank]``. ``direct``: the image holds the tails only; the rank reads the
+    replicated state with :class:`ReadRequest`."""
 
     found: bool
     checkpoint: CheckpointInfo | None = None
     tails: tuple[int, ...] = ()
+    direct: bool = False
 
     def to_body(self) -> dict[str, Any]:
         if not self.found:
             return {"found": False}
-        return {"found": True, "checkpoint": self.checkpoint.to_body(), "tails": list(self.tails)}
+        body = {"found": True, "checkpoint": self.checkpoint.to_body(), "tails": list(self.tails)}
+        if self.direct:
+            body["direct"] = True
+        return body
 
     @classmethod
     def from_body(cls, body: dict) -> RestoreReply:
@@ -198,7 +213,36 @@ class RestoreReply:
         if not (isinstance(tails, list) and len(tails) == info.world
                 and all(type(t) is int and 0 <= t <= MAX_BYTES for t in tails)):
             raise ProtocolError("field 'tails' must give one offset per saved rank")
-        return cls(found=True, checkpoint=info, tails=tuple(tails))
+        return cls(found=True, checkpoint=info, tails=tuple(tails), direct=field_bool(body, "direct", default=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    """Read bytes ``[start, stop)`` of the replicated state of ``step`` of ``job`` (the checkpoint committed at
+    ``committed_at``: another is refused) into the shared-memory segment attached, at offset ``at``.
+
+    A rank restoring straight into the tensors it has reads the replicated state piece by piece through a few
+    such buffers, reused, instead of having it written into fresh memory first.
+    """
+
+    job: str
+    step: int
+    committed_at: float
+    start: int
+    stop: int
+    at: int = 0
+
+    def to_body(self) -> dict[str, Any]:
+        return {"job": self.job, "step": self.step, "committed_at": self.committed_at, "start": self.start,
+                "stop": self.stop, "at": self.at}
+
+    @classmethod
+    def from_body(cls, body: dict) -> ReadRequest:
+        start = field_int(body, "start", 0, MAX_BYTES)
+        return cls(job=field_job(body), step=field_step(body),
+                   committed_at=field_float(body, "committed_at", 0.0, 1e11),
+                   start=start, stop=field_int(body, "stop", start, start + MAX_READ),
+                   at=field_int(body, "at", 0, MAX_BYTES))
 
 
 @dataclasses.dataclass(frozen=True)

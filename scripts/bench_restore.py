@@ -254,7 +254,6 @@ def measure_relaunch(result: dict, size: int, rounds: int, workdir: Path, train_
                                 str(stack.token_file), "--job-id", stack.job, "--nproc-per-node", "1",
                                 *stack.tls.args(), str(script), "dashrun"],
     }
-    commands["dashrun --no-prefetch + restore()"] = commands["dashrun + restore()"]
     times: dict[str, list[float]] = {name: [] for name in commands}
     phases: dict[str, list[dict]] = {}
     for _ in range(rounds):
@@ -262,8 +261,6 @@ def measure_relaunch(result: dict, size: int, rounds: int, workdir: Path, train_
             env = {**bench.child_env(), "BENCH_STARTED": repr(time.time())}
             for key in ("DASH_AGENT_SOCKET", "DASH_JOB_ID", "LOCAL_WORLD_SIZE", "DASH_NO_PREFETCH"):
                 env.pop(key, None)
-            if "--no-prefetch" in name:
-                env["DASH_NO_PREFETCH"] = "1"  # the launcher's dash-agent inherits it
             out = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True,
                                  text=True, timeout=900)
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESTORED")]

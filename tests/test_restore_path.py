@@ -303,3 +303,10 @@ def test_a_read_into_the_ranks_buffers_is_bounded_and_of_the_checkpoint_the_rank
     finally:
         link.close()
         os.close(fd)
+
+
+def test_only_a_node_of_one_rank_without_a_gpu_skips_the_fetch_ahead():
+    from dashrun.launch.launcher import fetch_ahead
+
+    assert fetch_ahead(2) and fetch_ahead(8)  # one download into the image serves every local rank
+    assert fetch_ahead(1) == torch.cuda.is_available()  # alone on a CPU, the rank reads straight into its tensors

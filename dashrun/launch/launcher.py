@@ -99,9 +99,10 @@ class AgentProcess:
     It runs on ``cpus`` (None: where the launcher runs), restarted too.
     """
 
-    def __init__(self, options: LaunchOptions, cpus: frozenset[int] | None = None):
+    def __init__(self, options: LaunchOptions, cpus: frozenset[int] | None = None, prefetch: bool = True):
         self.options = options
         self.cpus = cpus
+        self.prefetch = prefetch
         self._dir = Path(tempfile.mkdtemp(prefix="dashrun-"))
         self.socket_path = self._dir / "agent.sock"
         self.proc: subprocess.Popen | None = None
@@ -113,7 +114,8 @@ class AgentProcess:
         options = self.options
         host, port = options.memd
         extra = (["--metadata-endpoint", options.metadata_endpoint] if options.metadata_endpoint else []) + (
-            ["--poll-interval", str(options.poll_interval)] if options.poll_interval else [])
+            ["--poll-interval", str(options.poll_interval)] if options.poll_interval else []) + (
+            [] if self.prefetch else ["--no-prefetch"])
         with thread_affinity(self.cpus):  # the agent and every thread it starts inherit this thread's CPUs
             self.proc = daemon.start(
                 [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file",
@@ -195,6 +197,20 @@ def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = N
         raise UnavailableError(str(e), hint="start dash-memd first, or check --memd and the network") from None
 
 
+def fetch_ahead(nproc_per_node: int) -> bool:
+    """Whether dash-agent fetches the job's newest checkpoint as it starts, ahead of the ranks.
+
+    The only rank of a node without a GPU reads its state straight into its tensors when the node holds no
+    image of it (see dashrun.rank.restore); a fetch ahead would write it into fresh memory while the rank
+    starts, and on a small machine slow that start more than it saves (``scripts/bench_restore.py``).
+    """
+    if nproc_per_node != 1:
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(config: NodeConfig) -> int:
     """Run the ranks of this node under torch's elastic launcher; returns the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -214,7 +230,8 @@ def run(config: NodeConfig) -> int:
         else:
             log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
         prepare_job(options, list(config.argv), config.launch_config.run_id if config.elastic else None)
-        agent = stack.enter_context(AgentProcess(options, placement.agent))
+        agent = stack.enter_context(AgentProcess(options, placement.agent,
+                                                 prefetch=fetch_ahead(config.launch_config.nproc_per_node)))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
         os.environ[env.JOB_ID.name] = options.job_id
         _pass_memd_to_ranks(options)

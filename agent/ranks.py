@@ -145,11 +145,31 @@ class SegmentMaps:
                 unmap(self._maps.pop(next(iter(self._maps))))
             return memoryview(mapped)[:nbytes]
 
+    def forget(self, fd: int) -> None:
+        """Let go of the mapping of the segment behind ``fd``, if one is kept (once its views are released)."""
+        st = os.fstat(fd)
+        with self._lock:
+            mapped = self._maps.pop((st.st_dev, st.st_ino), None)
+        if mapped is not None:
+            unmap(mapped)
+
     def close(self) -> None:
         with self._lock:
             for mapped in self._maps.values():
                 unmap(mapped)
             self._maps.clear()
+
+
+def window(fd: int, at: int, nbytes: int) -> memoryview:
+    """Bytes ``[at, at + nbytes)`` of the segment behind ``fd``, writable, mapped for as long as the view
+    (and its slices) live."""
+    if os.fstat(fd).st_size < at + nbytes:
+        raise ProtocolError("the segment is smaller than the range asked for")
+    if not nbytes:
+        return memoryview(bytearray())
+    start = at - at % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, at + nbytes - start, offset=start)
+    return memoryview(mapped)[at - start:]  # holds the mapping, unmapped once the last view of it goes
 
 
 class RankConnection:
@@ -300,7 +320,12 @@ class RankConnection:
                 if len(frame.fds) != 1:
                     raise ProtocolError("READ_INTO needs exactly one segment descriptor")
                 request = ReadRequest.from_body(frame.body)
-                view = self._restore_maps.view(frame.fds[0], request.at + request.stop - request.start)
+                if request.keep:  # the rank's reused buffers: mapped once, for every read into them
+                    view = self._restore_maps.view(frame.fds[0], request.at + request.stop - request.start)
+                else:
+                    self._restore_maps.forget(frame.fds[0])
+                    view = window(frame.fds[0], request.at, request.stop - request.start)
+                    request = dataclasses.replace(request, at=0)  # the view starts there
             except ProtocolError as e:
                 self.reply_error(request_id, e)
                 return

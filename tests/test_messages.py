@@ -44,7 +44,7 @@ def info() -> CheckpointInfo:
     RestoreRequest("job-1", None, 1, 0, direct=True),
     RestoreReply(found=False), RestoreReply(found=True, checkpoint=info(), tails=(192, 320)),
     RestoreReply(found=True, checkpoint=info(), tails=(192, 320), direct=True),
-    ReadRequest("job-1", 7, 1.7e9, 0, 128), ReadRequest("job-1", 7, 1.7e9, 64, 100, at=4096),
+    ReadRequest("job-1", 7, 1.7e9, 0, 128), ReadRequest("job-1", 7, 1.7e9, 64, 100, at=4096, keep=True),
     WaitRequest("job-1", 7, 30.0), WaitReply(committed=True),
 ])
 def test_every_message_round_trips_through_its_body(message):

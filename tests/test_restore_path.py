@@ -206,7 +206,7 @@ def state_tensors(model, opt) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("with_state", [True, False], ids=["optimizer-state-exists", "no-optimizer-state"])
 def test_the_only_rank_of_a_node_reads_the_state_straight_into_the_tensors_it_has(stack, rank_env, monkeypatch,
-                                                                                  with_state):
+                                                                                  caplog, with_state):
     """A rank alone on its node has the agent read the replicated state through small reused buffers into its
     own tensors: the node's image holds the tails alone, the parameters (and the optimizer state, where there is
     one) are the same tensors after as before, and the state equals the saved one."""
@@ -225,12 +225,16 @@ def test_the_only_rank_of_a_node_reads_the_state_straight_into_the_tensors_it_ha
     assert ckpt.restore() == 7
     ckpt.close()
     assert same_state(model, model2) and same_state(opt, opt2) and ckpt.objects["data"].position == 3
+    assert "from the node's image" not in caplog.text  # read directly, not by the way back
     after = {t.data_ptr() for t in state_tensors(model2, opt2)}
     assert {t.data_ptr() for t in model2.state_dict().values()} <= before  # the parameters were written in place
     assert (after == before) == with_state  # so was the optimizer's state, where it had one
     fetched = [line for line in agent.log().splitlines() if "fetched direct step 6" in line]
     tails = sum(s.nbytes - (s.rep_end - s.rep_start) for s in info.shards)
     assert len(fetches := fetched) == 1 and f"({tails} bytes from dash-memd)" in fetches[0]  # no replicated bytes
+    # The agent kept no mapping of the rank's buffers, nor of the memory its new tensors live in.
+    maps = f"/proc/{agent.proc.pid}/maps"
+    wait_for(lambda: "dashrun-restore-" not in open(maps).read(), 10, "the agent to let go of the rank's segments")
     torch.manual_seed(5)  # and it trains on
     model2(torch.randn(16, 64)).pow(2).mean().backward()
     opt2.step()
@@ -284,13 +288,14 @@ def test_a_read_into_the_ranks_buffers_is_bounded_and_of_the_checkpoint_the_rank
     os.ftruncate(fd, 8192)
     link = AgentLink(str(agent.socket_path))
     try:
-        def read(start, stop, at=0, committed_at=info.committed_at, job="bounded"):
-            request = ReadRequest(job, info.step, committed_at, start, stop, at)
+        def read(start, stop, at=0, committed_at=info.committed_at, job="bounded", keep=False):
+            request = ReadRequest(job, info.step, committed_at, start, stop, at, keep)
             link.request(Kind.READ_INTO, request.to_body(), fds=[fd]).result(timeout=30).close_fds()
             return os.pread(fd, stop - start, at)
 
         middle = info.shards[0].rep_end - 100  # across the two shards' slices
         assert read(middle, middle + 200, at=4096) == bytes(whole[middle:middle + 200])
+        assert read(10, 90, at=8000, keep=True) == bytes(whole[10:90])  # mapped once, for reads to come
         with pytest.raises(ProtocolError):
             read(info.rep_total - 10, info.rep_total + 1)  # past the replicated state
         with pytest.raises(ProtocolError):

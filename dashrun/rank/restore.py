@@ -222,8 +222,8 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
                                    hint="run again: it restores the newest checkpoint then")
         return again.fds[0]
 
-    def read_span(start: int, stop: int, fd: int, at: int) -> concurrent.futures.Future[Frame]:
-        request = ReadRequest(job_id, step, reply.checkpoint.committed_at, start, stop, at)
+    def read_span(start: int, stop: int, fd: int, at: int, keep: bool) -> concurrent.futures.Future[Frame]:
+        request = ReadRequest(job_id, step, reply.checkpoint.committed_at, start, stop, at, keep)
         return link.request(Kind.READ_INTO, request.to_body(), fds=[fd])
 
     try:
@@ -250,7 +250,7 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
 def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
          job_id: str, rank: int, world: int, read_pieces: Callable[[list[tuple[int, int, int]]], int],
          owners: Mapping[str, torch.nn.Module] | None = None, stats: dict[str, int] | None = None,
-         read_span: Callable[[int, int, int, int], concurrent.futures.Future[Frame]] | None = None) -> None:
+         read_span: Callable[..., concurrent.futures.Future[Frame]] | None = None) -> None:
     """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states.
 
     Module parameters and buffers are copied into the module's own (already allocated) tensors. Other
@@ -263,7 +263,7 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     (returning a descriptor of it), and they are copied into place (see :mod:`dashrun.rank.sharded`).
 
     When the reply says ``direct``, the image lacks the replicated state: it is read with
-    ``read_span(start, stop, fd, at)`` (a READ_INTO) straight into the tensors the objects have (see
+    ``read_span(start, stop, fd, at, keep)`` (a READ_INTO) straight into the tensors the objects have (see
     :func:`read_direct`).
     """
     owners = owners or {}
@@ -362,10 +362,15 @@ DIRECT_SLOT = 16 << 20
 
 
 def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep_total: int,
-                read_span: Callable[[int, int, int, int], concurrent.futures.Future[Frame]]) -> list[Any]:
+                read_span: Callable[..., concurrent.futures.Future[Frame]]) -> list[Any]:
     """The replicated state's leaves, read through a few reused buffers into ``targets`` (new tensors where a
-    leaf has none): ``read_span(start, stop, fd, at)`` has the agent read bytes ``[start, stop)`` of it into
-    the buffers' segment ``fd`` at ``at``, each piece verified against its CRC-32C on the way."""
+    leaf has none): ``read_span(start, stop, fd, at, keep)`` has the agent read bytes ``[start, stop)`` of it
+    into the buffers' segment ``fd`` at ``at``, each piece verified against its CRC-32C on the way; ``keep``:
+    more reads into the segment follow, the agent may keep it mapped.
+
+    (Reading new tensors' bytes straight into shared memory they are views of, rather than copying them from
+    the buffers into anonymous memory, was slower here: fresh shared memory costs this VM about three times
+    what fresh anonymous memory does.)"""
     leaves: list[Any] = []
     plan: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, destination bytes)
     arrays: list[tuple[int, torch.Tensor, str, list[int]]] = []
@@ -442,7 +447,7 @@ def _libc_madvise():
 
 
 def _stream(plan: list[tuple[int, int, torch.Tensor]],
-            read_span: Callable[[int, int, int, int], concurrent.futures.Future[Frame]]) -> None:
+            read_span: Callable[..., concurrent.futures.Future[Frame]]) -> None:
     """Read the bytes of ``plan`` (sorted by offset) through DIRECT_SLOTS buffers: while the rank copies one
     piece into place, the agent fills the others."""
     spans = []
@@ -466,7 +471,9 @@ def _stream(plan: list[tuple[int, int, torch.Tensor]],
         def ask(slot: int) -> None:
             piece = next(following, None)
             if piece is not None:
-                in_flight.append((read_span(piece[0], piece[1], fd, slot * DIRECT_SLOT), slot, piece))
+                # The last read lets the agent let go of its mapping of the buffers.
+                keep = piece is not pieces[-1]
+                in_flight.append((read_span(piece[0], piece[1], fd, slot * DIRECT_SLOT, keep), slot, piece))
 
         for slot in range(slots):
             ask(slot)

@@ -222,7 +222,9 @@ class ReadRequest:
     ``committed_at``: another is refused) into the shared-memory segment attached, at offset ``at``.
 
     A rank restoring straight into the tensors it has reads the replicated state piece by piece through a few
-    such buffers, reused, instead of having it written into fresh memory first.
+    such buffers, reused (``keep``: the agent may keep the segment mapped for the next), and the rest straight
+    into the segment its new tensors are views of (read into once: mapped for this read only, and a mapping
+    kept of it before is let go).
     """
 
     job: str
@@ -231,10 +233,11 @@ class ReadRequest:
     start: int
     stop: int
     at: int = 0
+    keep: bool = False
 
     def to_body(self) -> dict[str, Any]:
         return {"job": self.job, "step": self.step, "committed_at": self.committed_at, "start": self.start,
-                "stop": self.stop, "at": self.at}
+                "stop": self.stop, "at": self.at, "keep": self.keep}
 
     @classmethod
     def from_body(cls, body: dict) -> ReadRequest:
@@ -242,7 +245,7 @@ class ReadRequest:
         return cls(job=field_job(body), step=field_step(body),
                    committed_at=field_float(body, "committed_at", 0.0, 1e11),
                    start=start, stop=field_int(body, "stop", start, start + MAX_READ),
-                   at=field_int(body, "at", 0, MAX_BYTES))
+                   at=field_int(body, "at", 0, MAX_BYTES), keep=field_bool(body, "keep", default=False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from test_checkpointer import fresh_objects, same_state, save_world, trained_obj
 from dashrun.agent.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, replicated_span, wanted
 from dashrun.agent.restores import ClientPool
 from dashrun.errors import NotFoundError, ProtocolError, UnavailableError
-from dashrun.rank import restore
+from dashrun.rank import direct
 from dashrun.wire import image
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import ReadRequest, RestoreRequest
@@ -216,8 +216,8 @@ def test_the_only_rank_of_a_node_reads_the_state_straight_into_the_tensors_it_ha
     with memd.client() as client:
         info = client.latest("direct")
     # Pieces smaller than a leaf and not aligned to one, so that leaves span pieces and buffers are reused.
-    monkeypatch.setattr(restore, "DIRECT_SLOT", 4096 + 64)
-    monkeypatch.setattr(restore, "DIRECT_SLOTS", 3)
+    monkeypatch.setattr(direct, "DIRECT_SLOT", 4096 + 64)
+    monkeypatch.setattr(direct, "DIRECT_SLOTS", 3)
     model2, opt2, sched2 = trained_objects(seed=99, steps=1 if with_state else 0)
     before = {t.data_ptr() for t in state_tensors(model2, opt2)}
     assert bool(opt2.state) == with_state
@@ -259,7 +259,7 @@ def test_a_direct_read_that_fails_loads_the_checkpoint_from_the_node_image(stack
     memd, agent = stack
     model, opt, sched = trained_objects()
     save_world(rank_env, agent, "fallback", 1, 2, model, opt, sched, [0])
-    real, failed = restore._stream, []
+    real, failed = direct._stream, []
 
     def failing(plan, read_span):
         if not failed:
@@ -268,7 +268,7 @@ def test_a_direct_read_that_fails_loads_the_checkpoint_from_the_node_image(stack
             raise UnavailableError("dash-agent went away")
         real(plan, read_span)
 
-    monkeypatch.setattr(restore, "_stream", failing)
+    monkeypatch.setattr(direct, "_stream", failing)
     model2, opt2, sched2 = trained_objects(seed=99, steps=1)
     ckpt = rank_env(agent, "fallback", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
     assert ckpt.restore() == 3

@@ -11,28 +11,21 @@ ranks kept in their private state (see :mod:`dashrun.rank.snapshot`), go
 back into the replicated state: the rank's own where it saved its own, else
 rank 0's (every rank of a node has every saved rank's part in the image).
 
-The only rank of a node on the CPU reads the replicated state *directly*:
-through a few small buffers it reuses, straight into the tensors it already
-has (its parameters, its optimizer's state); the image then holds the tails
-alone. Fresh memory costs more per byte than the network here, and a rank
-that built its model has touched its parameters' memory already.
+The only rank of a node on the CPU reads the replicated state *directly*,
+straight into the tensors it already has (:mod:`dashrun.rank.direct`); the
+image then holds the tails alone.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import ctypes
 import dataclasses
-import functools
-import itertools
 import logging
 import math
 import mmap
 import os
 import random
 import sys
-import threading
 import time
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -41,6 +34,7 @@ import torch.distributed as dist
 
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError, UsageError
 from dashrun.rank import sharded, statetree
+from dashrun.rank.direct import in_place_targets, read_direct
 from dashrun.rank.notices import in_process_group
 from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
@@ -311,199 +305,6 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     del replicated, region
     log.info("dashrun: restored job %s step %d (%d bytes, saved by %d ranks)", job_id, info.step,
              info.nbytes, info.world)
-
-
-class _Leaf:
-    """Where leaf ``index`` of the saved state sits in its tree (see :func:`in_place_targets`)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-def in_place_targets(skeleton: Any, entries: Sequence[Any], objects: Mapping[str, Any]) -> dict[int, torch.Tensor]:
-    """The tensors ``objects`` have now that saved leaves can be read straight into, by leaf index: at the
-    same place of the object's ``state_dict()``, on the CPU, dense and contiguous, of the saved dtype and shape,
-    and each taken once (tied weights keep one)."""
-    tree = statetree.unflatten(skeleton, [_Leaf(i) for i in range(len(entries))])
-    found: dict[int, torch.Tensor] = {}
-
-    def match(saved: Any, current: Any) -> None:
-        if isinstance(saved, _Leaf):
-            if type(current) in (torch.Tensor, torch.nn.Parameter):
-                found[saved.index] = current
-        elif isinstance(saved, Mapping) and isinstance(current, Mapping):
-            for key, value in saved.items():
-                if key in current:
-                    match(value, current[key])
-        elif isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
-            for value, now in zip(saved, current):
-                match(value, now)
-
-    for name, obj in objects.items():
-        if name in tree and hasattr(obj, "state_dict"):
-            match(tree[name], obj.state_dict())
-    targets, taken = {}, set()
-    for index, tensor in sorted(found.items()):
-        kind, dtype, shape = entries[index][:3]
-        if (kind == "t" and tensor.device.type == "cpu" and tensor.layout == torch.strided
-                and tensor.is_contiguous() and not tensor.requires_grad and str(tensor.dtype) == f"torch.{dtype}"
-                and list(tensor.shape) == list(shape) and tensor.data_ptr() not in taken):
-            targets[index] = tensor
-            if tensor.numel():
-                taken.add(tensor.data_ptr())
-    return targets
-
-
-#: A direct read's buffers: how many are in flight at once, and the bytes of each.
-DIRECT_SLOTS = 4
-DIRECT_SLOT = 16 << 20
-
-
-def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep_total: int,
-                read_span: Callable[..., concurrent.futures.Future[Frame]]) -> list[Any]:
-    """The replicated state's leaves, read through a few reused buffers into ``targets`` (new tensors where a
-    leaf has none): ``read_span(start, stop, fd, at, keep)`` has the agent read bytes ``[start, stop)`` of it
-    into the buffers' segment ``fd`` at ``at``, each piece verified against its CRC-32C on the way; ``keep``:
-    more reads into the segment follow, the agent may keep it mapped.
-
-    (Reading new tensors' bytes straight into shared memory they are views of, rather than copying them from
-    the buffers into anonymous memory, was slower here: fresh shared memory costs this VM about three times
-    what fresh anonymous memory does.)"""
-    leaves: list[Any] = []
-    plan: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, destination bytes)
-    arrays: list[tuple[int, torch.Tensor, str, list[int]]] = []
-    for index, entry in enumerate(entries):
-        kind, dtype, shape, offset = entry[:4]
-        if kind == "t":
-            torch_dtype = getattr(torch, dtype, None)
-            if not isinstance(torch_dtype, torch.dtype):
-                raise UsageError(f"checkpoint holds an unknown tensor dtype {dtype!r}")
-            dest = targets.get(index)
-            if dest is None:
-                dest = torch.empty(shape, dtype=torch_dtype)
-            leaves.append(dest)
-            nbytes = dest.numel() * dest.element_size()
-            flat = dest.reshape(-1).view(torch.uint8) if nbytes else None
-        else:
-            import numpy
-
-            nbytes = math.prod(shape) * numpy.dtype(dtype).itemsize
-            flat = torch.empty(nbytes, dtype=torch.uint8)
-            arrays.append((index, flat, dtype, shape))
-            leaves.append(None)
-        if not 0 <= offset <= offset + nbytes <= rep_total:
-            raise ProtocolError("a saved tensor lies outside the replicated state")
-        if nbytes:
-            plan.append((offset, nbytes, flat))
-    plan.sort(key=lambda p: p[0])
-    fresh = [leaf for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and index not in targets]
-    stop = threading.Event()
-    toucher = threading.Thread(target=_touch, args=(fresh, stop), name="dashrun-restore-touch", daemon=True)
-    toucher.start()
-    try:
-        _stream(plan, read_span)
-    finally:
-        stop.set()
-        toucher.join()
-    for index, flat, dtype, shape in arrays:
-        import numpy
-
-        leaves[index] = flat.numpy().view(numpy.dtype(dtype)).reshape(shape)
-    return leaves
-
-
-def _touch(tensors: Sequence[torch.Tensor], stop: threading.Event) -> None:
-    """Give new tensors their memory while the rank waits for the first bytes, rather than page by page as
-    they are copied (a page fault each, on the rank's core)."""
-    madvise = _libc_madvise()
-    if madvise is None:
-        return
-    for tensor in tensors:
-        start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-        for at in range(start, end, TOUCH_STEP):
-            if stop.is_set() or madvise(at, min(TOUCH_STEP, end - at), MADV_POPULATE_WRITE) != 0:
-                return  # done waiting, or a kernel before 5.14: the copies fault the pages in
-
-
-#: Bytes of new tensors given memory per call while a direct read waits.
-TOUCH_STEP = 8 << 20
-#: ``madvise`` advice that maps pages for writing (Linux 5.14).
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
-@functools.cache
-def _libc_madvise():
-    """libc's ``madvise`` through ctypes, which lets go of the GIL while it runs; None where there is none."""
-    try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    call.restype = ctypes.c_int
-    return call
-
-
-def _stream(plan: list[tuple[int, int, torch.Tensor]],
-            read_span: Callable[..., concurrent.futures.Future[Frame]]) -> None:
-    """Read the bytes of ``plan`` (sorted by offset) through DIRECT_SLOTS buffers: while the rank copies one
-    piece into place, the agent fills the others."""
-    spans = []
-    for offset, nbytes, _ in plan:  # the runs of bytes wanted (only alignment lies between leaves)
-        if spans and offset <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], offset + nbytes)
-        else:
-            spans.append([offset, offset + nbytes])
-    pieces = [(start, min(start + DIRECT_SLOT, stop)) for start, stop in spans
-              for start in range(start, stop, DIRECT_SLOT)]
-    if not pieces:
-        return
-    slots = min(DIRECT_SLOTS, len(pieces))
-    fd = os.memfd_create("dashrun-restore-direct", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, slots * DIRECT_SLOT)
-        buffers = torch.frombuffer(mmap.mmap(fd, slots * DIRECT_SLOT), dtype=torch.uint8)
-        in_flight: collections.deque = collections.deque()
-        following = iter(pieces)
-
-        def ask(slot: int) -> None:
-            piece = next(following, None)
-            if piece is not None:
-                # The last read lets the agent let go of its mapping of the buffers.
-                keep = piece is not pieces[-1]
-                in_flight.append((read_span(piece[0], piece[1], fd, slot * DIRECT_SLOT, keep), slot, piece))
-
-        for slot in range(slots):
-            ask(slot)
-        first = 0  # plan entries before it end before the piece being copied
-        try:
-            while in_flight:
-                future, slot, (start, stop) = in_flight.popleft()
-                try:
-                    future.result(timeout=RESTORE_TIMEOUT).close_fds()
-                except concurrent.futures.TimeoutError:
-                    raise UnavailableError(f"dash-agent did not read bytes {start}-{stop} of the checkpoint "
-                                           f"within {RESTORE_TIMEOUT:.0f} s") from None
-                base = slot * DIRECT_SLOT - start
-                while first < len(plan) and plan[first][0] + plan[first][1] <= start:
-                    first += 1
-                for offset, nbytes, flat in itertools.islice(plan, first, None):
-                    if offset >= stop:
-                        break
-                    lo, hi = max(start, offset), min(stop, offset + nbytes)
-                    if lo < hi:
-                        flat[lo - offset:hi - offset].copy_(buffers[base + lo:base + hi])
-                ask(slot)
-        finally:
-            for future, _, _ in in_flight:  # the agent is still writing: wait, so the buffers outlive it
-                try:
-                    future.result(timeout=RESTORE_TIMEOUT)
-                except Exception:
-                    pass
-    finally:
-        os.close(fd)
 
 
 def saved_pieces(mapped, info: CheckpointInfo, tails: Sequence[int],

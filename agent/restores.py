@@ -67,8 +67,7 @@ class RestoreImage:
     @property
     def has_replicated(self) -> bool:
         """Whether the replicated state is in it (not left to a rank that reads it directly)."""
-        return all(e in self.held for e in wanted(self.info, self.tails, (), replicated=True)
-                   if e.at < self.info.rep_total)
+        return all(e in self.held for e in replicated_span(self.info, 0, self.info.rep_total))
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from dashrun.errors import ProtocolError, UnavailableError, UsageError
-from dashrun.rank import statetree
+from dashrun.rank import sharded, statetree
 from dashrun.wire.channel import Frame
 
 __all__ = ["DIRECT_SLOT", "DIRECT_SLOTS", "READ_TIMEOUT", "in_place_targets", "read_direct"]
@@ -81,6 +81,8 @@ def in_place_targets(skeleton: Any, entries: Sequence[Any], objects: Mapping[str
 #: A direct read's buffers: how many are in flight at once, and the bytes of each.
 DIRECT_SLOTS = 4
 DIRECT_SLOT = 16 << 20
+#: Bytes between two leaves up to which one read spans both (a request more costs more than reading them).
+JOIN_GAP = 64 << 10
 
 
 def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep_total: int,
@@ -96,6 +98,7 @@ def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep
     leaves: list[Any] = []
     plan: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, destination bytes)
     arrays: list[tuple[int, torch.Tensor, str, list[int]]] = []
+    fresh: list[torch.Tensor] = []  # tensors made here, given their memory while the rank waits
     for index, entry in enumerate(entries):
         kind, dtype, shape, offset = entry[:4]
         if kind == "t":
@@ -105,6 +108,7 @@ def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep
             dest = targets.get(index)
             if dest is None:
                 dest = torch.empty(shape, dtype=torch_dtype)
+                fresh.append(dest)
             leaves.append(dest)
             nbytes = dest.numel() * dest.element_size()
             flat = dest.reshape(-1).view(torch.uint8) if nbytes else None
@@ -120,7 +124,6 @@ def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep
         if nbytes:
             plan.append((offset, nbytes, flat))
     plan.sort(key=lambda p: p[0])
-    fresh = [leaf for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and index not in targets]
     stop = threading.Event()
     toucher = threading.Thread(target=_touch, args=(fresh, stop), name="dashrun-restore-touch", daemon=True)
     toucher.start()
@@ -130,9 +133,7 @@ def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep
         stop.set()
         toucher.join()
     for index, flat, dtype, shape in arrays:
-        import numpy
-
-        leaves[index] = flat.numpy().view(numpy.dtype(dtype)).reshape(shape)
+        leaves[index] = flat.numpy().view(dtype).reshape(shape)
     return leaves
 
 
@@ -172,12 +173,8 @@ def _stream(plan: list[tuple[int, int, torch.Tensor]],
             read_span: Callable[..., concurrent.futures.Future[Frame]]) -> None:
     """Read the bytes of ``plan`` (sorted by offset) through DIRECT_SLOTS buffers: while the rank copies one
     piece into place, the agent fills the others."""
-    spans = []
-    for offset, nbytes, _ in plan:  # the runs of bytes wanted (only alignment lies between leaves)
-        if spans and offset <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], offset + nbytes)
-        else:
-            spans.append([offset, offset + nbytes])
+    # Leaves lie a few bytes of alignment apart: one read across them, not a request per leaf.
+    spans = sharded.joined([(offset, offset + nbytes) for offset, nbytes, _ in plan], gap=JOIN_GAP)
     pieces = [(start, min(start + DIRECT_SLOT, stop)) for start, stop in spans
               for start in range(start, stop, DIRECT_SLOT)]
     if not pieces:

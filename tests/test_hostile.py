@@ -28,7 +28,7 @@ import psutil
 import pytest
 from conftest import wait_for
 
-from dashrun.errors import AuthError, BusyError
+from dashrun.errors import AuthError, BusyError, UnavailableError
 from dashrun.util.tokens import write_token
 from dashrun.wire import tls
 from dashrun.wire.auth import client_handshake
@@ -50,6 +50,7 @@ from dashrun.wire.protocol import (
     encode_body,
     encode_header,
 )
+from dashrun.wire.sealed import MAX_RECORD
 
 LAYOUT = "ab" * 32
 #: Longest any single blocking read of a test may take before the test fails.
@@ -111,6 +112,36 @@ def authed(memd, token: bytes | None = None):
         ch.settimeout(IO_TIMEOUT)
         client_handshake(ch, memd.token if token is None else token)
         yield ch
+
+
+class _Wire:
+    """A logged-in channel's connection as these tests write and read it: frames as bytes, through the sealed
+    records that follow a TLS login (or the socket itself with --no-tls)."""
+
+    def __init__(self, ch: Channel):
+        self.ch = ch
+
+    @property
+    def _stream(self):
+        return self.ch._records or self.ch.sock
+
+    def sendall(self, data: bytes) -> None:
+        self._stream.sendall(data)
+
+    def recv(self, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        try:
+            got = self._stream.recv_into(memoryview(buf), nbytes)
+        except UnavailableError as e:  # cut inside a record: as a reset would read
+            raise ConnectionResetError(str(e)) from None
+        return bytes(buf[:got])
+
+    def settimeout(self, seconds: float | None) -> None:
+        self.ch.sock.settimeout(seconds)
+
+
+def wire(ch: Channel) -> _Wire:
+    return _Wire(ch)
 
 
 def read_hello(sock: socket.socket) -> dict:
@@ -262,7 +293,7 @@ def put_truncated_shard(memd, header: ShardHeader, cut_at: int, *, may_conflict:
         if may_conflict and answer.kind == Kind.ERROR and answer.body.get("code") == "conflict":
             return
         assert answer.kind == Kind.OK, answer
-        ch.sock.sendall(whole[:cut_at])
+        wire(ch).sendall(whole[:cut_at])
     # closed here, mid-frame
 
 
@@ -438,8 +469,14 @@ def test_garbage_instead_of_frames_closes_the_connection(memd_factory):
 
         # After authenticating: the stream is out of step, so the connection goes.
         with authed(memd) as ch:
-            send_quietly(ch.sock, garbage)
-            expect_closed(ch.sock, what=f"{name} after AUTH")
+            send_quietly(wire(ch), garbage)
+            expect_closed(wire(ch), what=f"{name} after AUTH")
+
+        # Beneath the sealed records that follow the login (someone on the path, without their keys): the
+        # connection goes at the first record, whatever length the garbage claims.
+        with authed(memd) as ch:
+            send_quietly(ch.sock, garbage + bytes(MAX_RECORD + 20))
+            assert drain_until_closed(ch.sock)[1], f"{name} beneath the records: dash-memd left the connection open"
 
         # As plain TCP where dash-memd speaks TLS: refused by its first byte (a TLS record's is 0x16).
         if garbage[0] != 0x16:
@@ -457,8 +494,8 @@ def test_deeply_nested_json_after_auth_is_refused(memd_factory):
     memd = memd_factory("--memory-limit", "64MiB")
     bomb = b"[" * (1 << 20) + b"]" * (1 << 20)  # 2 MiB, under MAX_BODY: the parser must not crash the daemon
     with authed(memd) as ch:
-        ch.sock.sendall(raw_body_frame(Kind.PING, bomb))
-        expect_closed_with_error(ch.sock, "bad_request")
+        wire(ch).sendall(raw_body_frame(Kind.PING, bomb))
+        expect_closed_with_error(wire(ch), "bad_request")
     assert_healthy(memd)
 
 
@@ -526,8 +563,8 @@ def test_absurd_lengths_are_refused_without_allocating(memd_factory):
                 assert body.get("message"), name
         for name, raw in POSTAUTH_ABSURD.items():
             with authed(memd) as ch:
-                ch.sock.sendall(raw)
-                expect_closed_with_error(ch.sock, "bad_request")
+                wire(ch).sendall(raw)
+                expect_closed_with_error(wire(ch), "bad_request")
 
         with authed(memd) as ch:
             # A whole shard of 1 PiB is a valid request, but it cannot fit: refused, the connection stays usable.
@@ -542,8 +579,8 @@ def test_absurd_lengths_are_refused_without_allocating(memd_factory):
             small = headers("big", world=1, rep_total=1 * MiB)[0]
             ch.send(Kind.PUT_SHARD, small.to_body())
             assert reply(ch).kind == Kind.OK
-            ch.sock.sendall(frame(Kind.SHARD_DATA, {}, PIB))
-            expect_closed_with_error(ch.sock, "bad_request")
+            wire(ch).sendall(frame(Kind.SHARD_DATA, {}, PIB))
+            expect_closed_with_error(wire(ch), "bad_request")
 
     with memd.client(timeout=IO_TIMEOUT) as client:
         wait_for(lambda: used(client) == base_used, 10, "the refused shard's RAM to be released")
@@ -574,7 +611,7 @@ def test_truncated_frames_leave_nothing_behind(memd_factory):
         latest = frame(Kind.LATEST, {"job": "cut", "step": 1})
         for cut in (1, HEADER.size - 1, HEADER.size + 3, len(latest) - 1):
             with authed(memd) as ch:
-                ch.sock.sendall(latest[:cut])
+                wire(ch).sendall(latest[:cut])
             client.ping()
 
         # A shard accepted, then its SHARD_DATA cut off: in the header, in the data, in the trailer.
@@ -860,8 +897,8 @@ def test_stored_checkpoint_survives_every_attack(memd_factory, tmp_path):
             send_quietly(sock, garbage)
             expect_closed(sock, hello_pending=True)
         with authed(memd) as ch:
-            send_quietly(ch.sock, garbage)
-            expect_closed(ch.sock)
+            send_quietly(wire(ch), garbage)
+            expect_closed(wire(ch))
     # Absurd lengths.
     for raw in PREAUTH_ABSURD.values():
         with raw_conn(memd) as sock:
@@ -870,13 +907,13 @@ def test_stored_checkpoint_survives_every_attack(memd_factory, tmp_path):
             expect_closed_with_error(sock, "bad_request")
     for raw in POSTAUTH_ABSURD.values():
         with authed(memd) as ch:
-            ch.sock.sendall(raw)
-            expect_closed_with_error(ch.sock, "bad_request")
+            wire(ch).sendall(raw)
+            expect_closed_with_error(wire(ch), "bad_request")
     # Hostile job ids.
     for bad in ("../precious", "precious/../precious", "", "x" * 129, None):
         with authed(memd) as ch:
             ch.send(Kind.LATEST, {"job": bad})
-            expect_closed_with_error(ch.sock, "bad_request")
+            expect_closed_with_error(wire(ch), "bad_request")
     # Attempts at the very same job and step: cut off, with a bad checksum, with another layout (dash-memd may
     # take such a new attempt, or refuse it as a conflict with what it committed: either way its copy stays).
     replacement = ShardHeader(job, step, 0, 1, 1 * MiB, 0, 1 * MiB, 0, 0, "cd" * 32)
@@ -888,7 +925,7 @@ def test_stored_checkpoint_survives_every_attack(memd_factory, tmp_path):
         answer = reply(ch)
         if answer.kind == Kind.OK:
             forged = bytes(replacement.nbytes)
-            ch.sock.sendall(frame(Kind.SHARD_DATA, {}, len(forged)) + data_with_trailer(forged, crc32c(forged) ^ 1))
+            wire(ch).sendall(frame(Kind.SHARD_DATA, {}, len(forged)) + data_with_trailer(forged, crc32c(forged) ^ 1))
             answer = reply(ch)
             assert answer.kind == Kind.ERROR and answer.body["code"] == "checksum", answer
         else:
@@ -908,7 +945,7 @@ def test_stored_checkpoint_survives_every_attack(memd_factory, tmp_path):
         ch.send(Kind.GET_SHARD, {"job": job, "step": step, "rank": 1})
         got = reply(ch, max_data=MAX_BYTES)
         assert got.kind == Kind.OK and got.data_len == len(payloads[1])
-        ch.sock.recv(1000)
+        wire(ch).recv(1000)
     # closed with most of the shard unread
 
     with memd.client(timeout=IO_TIMEOUT) as client:
@@ -943,7 +980,7 @@ def test_bad_data_checksum_is_refused_and_the_connection_stays_usable(memd_facto
                 continue
             ch.send(Kind.PUT_SHARD, header.to_body())
             assert reply(ch).kind == Kind.OK
-            ch.sock.sendall(frame(Kind.SHARD_DATA, {}, len(payload)) + data_with_trailer(payload, wrong))
+            wire(ch).sendall(frame(Kind.SHARD_DATA, {}, len(payload)) + data_with_trailer(payload, wrong))
             answer = reply(ch)
             assert answer.kind == Kind.ERROR and answer.body.get("code") == "checksum", answer
             # Same connection, still in step.
@@ -962,14 +999,14 @@ def test_bad_data_checksum_is_refused_and_the_connection_stays_usable(memd_facto
         corrupted[len(corrupted) // 2] ^= 0x40
         ch.send(Kind.PUT_SHARD, header.to_body())
         assert reply(ch).kind == Kind.OK
-        ch.sock.sendall(frame(Kind.SHARD_DATA, {}, len(payload)) + bytes(corrupted) + TRAILER.pack(crc32c(payload)))
+        wire(ch).sendall(frame(Kind.SHARD_DATA, {}, len(payload)) + bytes(corrupted) + TRAILER.pack(crc32c(payload)))
         answer = reply(ch)
         assert answer.kind == Kind.ERROR and answer.body.get("code") == "checksum", answer
 
         # The right bytes on the same connection are then stored.
         ch.send(Kind.PUT_SHARD, header.to_body())
         assert reply(ch).kind == Kind.OK
-        ch.sock.sendall(frame(Kind.SHARD_DATA, {}, len(payload)) + data_with_trailer(payload))
+        wire(ch).sendall(frame(Kind.SHARD_DATA, {}, len(payload)) + data_with_trailer(payload))
         stored = reply(ch)
         assert stored.kind == Kind.OK and stored.body == {"committed": True, "crc": crc32c(payload)}
 

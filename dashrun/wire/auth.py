@@ -14,18 +14,23 @@ replayed (fresh nonces), the client learns that the server holds the token
 too, and a relay that terminates TLS on both sides makes the two sides sign
 different certificates, so it cannot log in. Until the login is done a peer
 may send at most ``MAX_BODY_PREAUTH`` bytes of body.
+
+Over TLS, both ends then close TLS and go on in records sealed with keys
+derived from the token and the two nonces (:mod:`dashrun.wire.sealed`).
 """
 
 from __future__ import annotations
 
 import hmac
 import secrets
+import ssl
 from typing import Any, Callable
 
 from dashrun import errors
 from dashrun.errors import AuthError, ProtocolError
 from dashrun.wire.channel import Channel
 from dashrun.wire.protocol import MAX_BODY_PREAUTH, Kind, field_digest, field_nonce
+from dashrun.wire.sealed import after_login
 from dashrun.wire.tls import mismatch, peer_binding
 
 __all__ = ["client_handshake", "server_handshake"]
@@ -63,6 +68,8 @@ def server_handshake(ch: Channel, token: bytes, server_name: str, binding: bytes
     if admit is not None:
         admit()
     ch.send(Kind.WELCOME, {"mac": _mac(token, b"dash-server", binding, client_nonce, server_nonce)})
+    if isinstance(ch.sock, ssl.SSLSocket):
+        ch.seal(after_login(ch.sock, token, binding, client_nonce, server_nonce, client=False))
 
 
 def client_handshake(ch: Channel, token: bytes, address: str | None = None) -> dict[str, Any]:
@@ -89,6 +96,8 @@ def client_handshake(ch: Channel, token: bytes, address: str | None = None) -> d
     if reply.kind != Kind.WELCOME or not hmac.compare_digest(
             field_digest(reply.body, "mac"), _mac(token, b"dash-server", binding, client_nonce, server_nonce)):
         raise AuthError("the server does not hold this cluster's token", hint=_AUTH_HINT)
+    if isinstance(ch.sock, ssl.SSLSocket):
+        ch.seal(after_login(ch.sock, token, binding, client_nonce, server_nonce, client=True))
     return hello.body
 
 

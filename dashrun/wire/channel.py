@@ -43,6 +43,7 @@ from dashrun.wire.protocol import (
     encode_body,
     encode_header,
 )
+from dashrun.wire.sealed import Records
 
 __all__ = ["Channel", "CHUNK", "Frame", "peer_on_this_machine", "YIELD_TO_LOCAL_PEER"]
 
@@ -105,6 +106,7 @@ class Channel:
         self._deadline: float | None = None
         self._peer_local = peer_on_this_machine(sock)
         self._landing: tuple[memoryview, int] | None = None  # (view, address) of the receive buffer, made on use
+        self._records: Records | None = None  # after a TLS login: the sealed records (see seal())
 
     # --- plumbing ---------------------------------------------------------
 
@@ -116,6 +118,10 @@ class Channel:
     def set_deadline(self, seconds: float) -> None:
         """Bound everything received from now on to ``seconds`` in total, however the peer trickles it."""
         self._deadline = time.monotonic() + seconds
+
+    def seal(self, records: Records) -> None:
+        """From now on send and receive through ``records`` (:mod:`dashrun.wire.sealed`), on this socket."""
+        self._records = records
 
     def _arm(self) -> None:
         if self._deadline is not None:
@@ -137,7 +143,7 @@ class Channel:
         while got < size:
             self._arm()
             try:
-                n = self.sock.recv_into(view[got:], min(size - got, CHUNK))
+                n = (self._records or self.sock).recv_into(view[got:], min(size - got, CHUNK))
             except socket.timeout:
                 raise UnavailableError("peer timed out") from None
             except OSError as e:
@@ -205,7 +211,7 @@ class Channel:
             return 0
         crc = 0
         for view in views:
-            if _ntcopy is not None and len(view):
+            if _ntcopy is not None and len(view) and self._records is None:  # sealed: opened in place
                 crc = self._recv_streamed(view, crc)
                 continue
             for start in range(0, len(view), CHUNK):
@@ -256,7 +262,7 @@ class Channel:
 
     def _sendall(self, data) -> None:
         try:
-            self.sock.sendall(data)
+            (self._records or self.sock).sendall(data)
         except socket.timeout:
             raise UnavailableError("peer stopped reading (timed out)") from None
         except OSError as e:

@@ -1,8 +1,9 @@
 """Frames over a socket: the I/O half of :mod:`dashrun.wire.protocol`.
 
 A :class:`Channel` sends and receives whole frames on a TCP or Unix stream
-socket; a TCP one may be an ``ssl.SSLSocket`` (:mod:`dashrun.wire.tls`), read
-and written the same way (file descriptors travel on Unix sockets only).
+socket; a TCP one may be an ``ssl.SSLSocket`` (:mod:`dashrun.wire.tls`) for the
+login, and after it carries sealed records (:meth:`Channel.seal`,
+:mod:`dashrun.wire.sealed`); file descriptors travel on Unix sockets only.
 Receiving is two-phase: :meth:`Channel.recv` returns the header and the
 validated body, and the caller then decides where the data goes
 (:meth:`Channel.recv_data_into`), so a shard lands straight in its final

@@ -8,7 +8,8 @@ signs, with the cluster's token, the SHA-256 of the server's certificate as
 each end sees it (``tls-server-end-point``, RFC 5929). A relay that terminates
 TLS shows the client another certificate than dash-memd's own, so the two ends
 sign different bindings and the login fails. ``--tls-ca`` makes a client check
-the certificate's chain and host name as well.
+the certificate's chain and host name as well. TLS ends with the login: the
+connection goes on in sealed records keyed from it (:mod:`dashrun.wire.sealed`).
 
 The client speaks first in both modes, so dash-memd tells the two apart by the
 first byte (a TLS handshake record starts with 0x16, a dashrun frame with

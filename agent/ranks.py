@@ -139,7 +139,7 @@ class SegmentMaps:
         with self._lock:
             mapped = self._maps.pop(key, None)
             if mapped is None or len(mapped) != st.st_size:
-                mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0))
+                mapped = _mapped(fd, st.st_size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0))
             self._maps[key] = mapped  # most recently used last
             while len(self._maps) > self.KEEP:
                 unmap(self._maps.pop(next(iter(self._maps))))
@@ -160,6 +160,16 @@ class SegmentMaps:
             self._maps.clear()
 
 
+def _mapped(fd: int, nbytes: int, **kwargs) -> mmap.mmap:
+    """``mmap.mmap(fd, nbytes, **kwargs)``; a descriptor that cannot be mapped so (a directory, a file the rank
+    opened read-only) is the rank's error, refused like any other malformed request."""
+    try:
+        return mmap.mmap(fd, nbytes, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ProtocolError(f"the attached descriptor cannot be mapped: {getattr(e, 'strerror', None) or e}") \
+            from None
+
+
 def window(fd: int, at: int, nbytes: int) -> memoryview:
     """Bytes ``[at, at + nbytes)`` of the segment behind ``fd``, writable, mapped for as long as the view
     (and its slices) live."""
@@ -168,7 +178,7 @@ def window(fd: int, at: int, nbytes: int) -> memoryview:
     if not nbytes:
         return memoryview(bytearray())
     start = at - at % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(fd, at + nbytes - start, offset=start)
+    mapped = _mapped(fd, at + nbytes - start, offset=start)
     return memoryview(mapped)[at - start:]  # holds the mapping, unmapped once the last view of it goes
 
 

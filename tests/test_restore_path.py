@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -304,10 +305,27 @@ def test_a_read_into_the_ranks_buffers_is_bounded_and_of_the_checkpoint_the_rank
             read(0, 10, committed_at=info.committed_at + 1)  # another commit of the step
         with pytest.raises(NotFoundError):
             read(0, 10, job="no-such-job")
+        for keep in (False, True):  # descriptors that cannot be mapped for writing: refused in a line each
+            for unmappable in (os.open(os.path.dirname(__file__), os.O_RDONLY), read_only_file(8192)):
+                request = ReadRequest("bounded", info.step, info.committed_at, 0, 10, 0, keep)
+                try:
+                    with pytest.raises(ProtocolError, match="cannot be mapped"):
+                        link.request(Kind.READ_INTO, request.to_body(), fds=[unmappable]).result(timeout=30)
+                finally:
+                    os.close(unmappable)
         assert link.call(Kind.PING, timeout=10).body["pid"]  # refused requests leave the agent serving
+        assert read(0, 10) == bytes(whole[:10])  # on the same connection
     finally:
         link.close()
         os.close(fd)
+    assert "Traceback" not in agent.log()
+
+
+def read_only_file(nbytes: int) -> int:
+    """A descriptor of a file of ``nbytes``, opened for reading only (gone from the file system)."""
+    with tempfile.NamedTemporaryFile() as f:
+        f.truncate(nbytes)
+        return os.open(f.name, os.O_RDONLY)
 
 
 def test_only_a_node_of_one_rank_without_a_gpu_skips_the_fetch_ahead():

@@ -212,7 +212,7 @@ class Channel:
             return 0
         crc = 0
         for view in views:
-            if _ntcopy is not None and len(view) and self._records is None:  # sealed: opened in place
+            if _ntcopy is not None and len(view):
                 crc = self._recv_streamed(view, crc)
                 continue
             for start in range(0, len(view), CHUNK):

@@ -68,8 +68,7 @@ def server_handshake(ch: Channel, token: bytes, server_name: str, binding: bytes
     if admit is not None:
         admit()
     ch.send(Kind.WELCOME, {"mac": _mac(token, b"dash-server", binding, client_nonce, server_nonce)})
-    if isinstance(ch.sock, ssl.SSLSocket):
-        ch.seal(after_login(ch.sock, token, binding, client_nonce, server_nonce, client=False))
+    _seal(ch, token, binding, client_nonce, server_nonce, client=False)
 
 
 def client_handshake(ch: Channel, token: bytes, address: str | None = None) -> dict[str, Any]:
@@ -96,9 +95,14 @@ def client_handshake(ch: Channel, token: bytes, address: str | None = None) -> d
     if reply.kind != Kind.WELCOME or not hmac.compare_digest(
             field_digest(reply.body, "mac"), _mac(token, b"dash-server", binding, client_nonce, server_nonce)):
         raise AuthError("the server does not hold this cluster's token", hint=_AUTH_HINT)
-    if isinstance(ch.sock, ssl.SSLSocket):
-        ch.seal(after_login(ch.sock, token, binding, client_nonce, server_nonce, client=True))
+    _seal(ch, token, binding, client_nonce, server_nonce, client=True)
     return hello.body
+
+
+def _seal(ch: Channel, token: bytes, binding: bytes, client_nonce: str, server_nonce: str, *, client: bool) -> None:
+    """A login over TLS goes on in sealed records (:mod:`dashrun.wire.sealed`); a plaintext one as it is."""
+    if isinstance(ch.sock, ssl.SSLSocket):
+        ch.seal(after_login(ch.sock, token, binding, client_nonce, server_nonce, client=client))
 
 
 def _peer(ch: Channel) -> str:

@@ -87,7 +87,6 @@ class Records:
         self._in = bytearray()
         self._plain = bytearray()
         self._pending = memoryview(self._plain)
-        self._length = b""  # the authenticated length of the record in the ciphertext buffer
 
     # --- sending --------------------------------------------------------------
 
@@ -136,13 +135,12 @@ class Records:
         if len(self._in) < n + _TAG:
             self._in = bytearray(n + _TAG)
         self._read_exact(memoryview(self._in)[:n + _TAG], at_boundary=False)
-        self._length = bytes(head)
         return n
 
     def _open(self, n: int, into: memoryview) -> None:
         aead, nonce = self._recv.next()
         try:
-            aead.decrypt_into(nonce, memoryview(self._in)[:n + _TAG], self._length, into)
+            aead.decrypt_into(nonce, memoryview(self._in)[:n + _TAG], _LENGTH.pack(n), into)
         except InvalidTag:
             raise UnavailableError("a record failed authentication (altered, replayed or reordered on the "
                                    "way): connection dropped") from None

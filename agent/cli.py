@@ -39,6 +39,9 @@ log = logging.getLogger(PROGRAM)
               type=click.Path(dir_okay=False), help="File holding the cluster's shared token.")
 @click.option("--socket", "socket_path", envvar=env.AGENT_SOCKET.name, show_envvar=True, required=True,
               type=click.Path(dir_okay=False), help="Unix socket the node's ranks connect to.")
+@click.option("--listen-fd", envvar=env.AGENT_LISTEN_FD.name, show_envvar=True, type=int, default=None,
+              help="Serve the ranks on this inherited descriptor: a Unix socket already listening at --socket "
+                   "(the launcher makes it, so that ranks may connect while the agent starts).")
 @click.option("--parent-pid", envvar=env.PARENT_PID.name, show_envvar=True, type=int, default=None,
               help="Exit (after delivering handed-over shards) when this process is gone.")
 @click.option("--memd-timeout", envvar=env.MEMD_TIMEOUT.name, show_envvar=True, default=60.0, show_default=True,
@@ -64,16 +67,16 @@ log = logging.getLogger(PROGRAM)
                    "(default: the login authenticates dash-memd on the TLS link itself).")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
-def cli(memd, token_file, socket_path, parent_pid, memd_timeout, drain_timeout, job_id, cloud, metadata_endpoint,
-        poll_interval, no_prefetch, no_tls, tls_ca, log_level) -> None:
+def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
+        metadata_endpoint, poll_interval, no_prefetch, no_tls, tls_ca, log_level) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
     config = AgentConfig(memd_host=host, memd_port=port, token=read_token(token_file),
-                         socket_path=Path(socket_path), memd_timeout=memd_timeout, drain_timeout=drain_timeout,
-                         job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint, poll_interval=poll_interval,
-                         parent_pid=parent_pid, tls=TlsSettings.from_options(no_tls, tls_ca),
-                         prefetch=not no_prefetch)
+                         socket_path=Path(socket_path), listen_fd=listen_fd, memd_timeout=memd_timeout,
+                         drain_timeout=drain_timeout, job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint,
+                         poll_interval=poll_interval, parent_pid=parent_pid,
+                         tls=TlsSettings.from_options(no_tls, tls_ca), prefetch=not no_prefetch)
     sys.exit(run(config))
 
 

@@ -20,6 +20,9 @@ class AgentConfig:
     memd_port: int
     token: bytes = dataclasses.field(repr=False)
     socket_path: Path = Path("agent.sock")
+    #: a listening socket at ``socket_path`` inherited from the launcher, which made it before starting the agent
+    #: (None: the agent makes its own)
+    listen_fd: int | None = None
     #: seconds one request to dash-memd may stay silent before it counts as lost
     memd_timeout: float = 60.0
     #: seconds a fetched restore image is kept for the node's other ranks

@@ -29,7 +29,8 @@ from dashrun.agent.pollers import Poller, make_poller
 from dashrun.agent.ranks import RankConnection
 from dashrun.agent.restores import RestoreCache
 from dashrun.env import PreemptionRecord
-from dashrun.errors import DashError
+from dashrun.errors import DashError, UsageError
+from dashrun.util.daemon import private_listener
 from dashrun.util.files import write_atomic
 from dashrun.util.problems import ProblemLog
 from dashrun.wire.messages import Notice, ShardHeader
@@ -66,15 +67,10 @@ class AgentServer:
 
     def start(self) -> None:
         path = self.config.socket_path
-        if path.exists():
-            path.unlink()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the socket is for this user's ranks only
-        try:
-            listener.bind(str(path))
-        finally:
-            os.umask(old_umask)
-        listener.listen(256)
+        if self.config.listen_fd is None:
+            listener = private_listener(path)  # for this user's ranks only
+        else:
+            listener = _inherited_listener(self.config.listen_fd)
         self._listener = listener
         threading.Thread(target=self._accept_loop, args=(listener,), name="agent-accept", daemon=True).start()
         log.info("serving ranks on %s, forwarding to dash-memd at %s:%d", path, self.config.memd_host,
@@ -207,7 +203,8 @@ class AgentServer:
             except OSError:
                 pass
             self._listener.close()
-            self.config.socket_path.unlink(missing_ok=True)
+            if self.config.listen_fd is None:  # an inherited socket's path is its maker's
+                self.config.socket_path.unlink(missing_ok=True)
         deadline = time.monotonic() + self.config.drain_timeout
         with self._lock:
             connections = list(self._connections)
@@ -219,6 +216,20 @@ class AgentServer:
         self.restores.clients.close()
         if self._poller is not None:
             self._poller.stop(timeout=2.0)
+
+
+def _inherited_listener(fd: int) -> socket.socket:
+    """The launcher's listening Unix socket at descriptor ``fd``; a one-line error if that is not one."""
+    try:
+        listener = socket.socket(fileno=fd)
+    except OSError as e:
+        raise UsageError(f"--listen-fd {fd}: {e.strerror or e}", hint="dashrun passes the descriptor itself") from None
+    if (listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM
+            or not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+        listener.detach()
+        raise UsageError(f"--listen-fd {fd} is not a listening Unix stream socket",
+                         hint="dashrun passes the descriptor itself")
+    return listener
 
 
 def _same_user(sock: socket.socket) -> bool:

@@ -59,6 +59,8 @@ DRAIN_TIMEOUT = Var("DASH_DRAIN_TIMEOUT", "seconds dash-agent gets to deliver ha
                     "dash-agent")
 PARENT_PID = Var("DASH_PARENT_PID", "the launcher's pid: dash-agent exits (after draining) once it is gone", "dashrun",
                  "dash-agent")
+AGENT_LISTEN_FD = Var("DASH_AGENT_LISTEN_FD", "descriptor of dash-agent's socket, made and handed on by dashrun",
+                      "dashrun", "dash-agent")
 UPLOAD_QUEUE = Var("DASH_UPLOAD_QUEUE", "uploads waiting at most; a full queue drops its oldest", "user", "dash-memd")
 MAX_CONNECTIONS = Var("DASH_MAX_CONNECTIONS", "clients dash-memd serves at once", "user", "dash-memd")
 MAX_UNAUTHENTICATED = Var("DASH_MAX_UNAUTHENTICATED", "connections to dash-memd still logging in, at once (apart from "
@@ -94,9 +96,9 @@ CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (s
 ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, AGENT_SOCKET, LISTEN, DATA_DIR,
     MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
-    DRAIN_TIMEOUT, PARENT_PID, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT, IDLE_TIMEOUT,
-    SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS, ELASTIC,
-    GENERATION, MEMBERSHIP, CRASH_AT,
+    DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT,
+    IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS,
+    ELASTIC, GENERATION, MEMBERSHIP, CRASH_AT,
 )
 
 

@@ -194,6 +194,19 @@ def test_memd_reports_a_busy_port(memd, tmp_path, token_file):
     assert result.returncode == 2 and "cannot listen" in result.stderr
 
 
+@pytest.mark.parametrize("given", ["not a socket", "a TCP socket"])
+def test_agent_refuses_a_listen_fd_that_is_not_a_listening_unix_socket(memd, tmp_path, given):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as tcp, open(tmp_path / "file", "w") as file:
+        fd = file.fileno() if given == "not a socket" else tcp.fileno()
+        result = subprocess.run([sys.executable, "-m", "dashrun.agent", "--memd", memd.address, "--token-file",
+                                 str(memd.token_file), "--socket", str(tmp_path / "agent.sock"), "--listen-fd", str(fd),
+                                 *memd.tls_args], pass_fds=(fd,), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"--listen-fd {fd}" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "agent.sock").exists()
+
+
 def test_dashrun_usage_errors(tmp_path, token_file):
     base = [sys.executable, "-m", "dashrun", "--memd", "127.0.0.1:1", "--token-file"]
     bad_id = subprocess.run(base + [str(token_file), "--job-id", "../x", "train.py"], capture_output=True,
@@ -215,3 +228,32 @@ def test_dashrun_refuses_to_start_with_a_token_memd_does_not_accept(memd, tmp_pa
                              "--nproc-per-node", "1", "train.py"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "refused this node's token" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ranks_reach_the_launcher_s_agent_before_it_is_up_and_while_it_is_restarted(memd):
+    """The launcher makes the agent's socket and starts the ranks at once: a rank that connects before the
+    agent serves, or while a dead agent is restarted, waits in the socket's queue and is answered."""
+    from dashrun.launch.launcher import AgentProcess
+    from dashrun.launch.options import LaunchOptions
+    from dashrun.wire.tls import TlsSettings
+
+    host, port = memd.address.rsplit(":", 1)
+    options = LaunchOptions(memd=(host, int(port)), token_file=memd.token_file, job_id="queued", cloud="none",
+                            tls=TlsSettings(plaintext=bool(memd.tls_args)))
+    with AgentProcess(options) as agent:
+        first = AgentLink(str(agent.socket_path))  # connects now, as the agent is still starting
+        try:
+            assert first.call(Kind.PING, timeout=60).kind == Kind.OK
+        finally:
+            first.close()
+        dead = agent.proc
+        dead.kill()
+        dead.wait(timeout=30)
+        assert agent.proc is dead or agent.proc.poll() is None  # not yet restarted, or restarted: either waits
+        meanwhile = AgentLink(str(agent.socket_path))
+        try:
+            assert meanwhile.call(Kind.PING, timeout=60).kind == Kind.OK
+        finally:
+            meanwhile.close()
+        assert agent.restarts == 1 and agent.proc is not dead
+    assert not agent.socket_path.exists()

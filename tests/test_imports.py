@@ -207,6 +207,19 @@ def test_dashrun_package_import_is_lazy_about_dcp():
     assert out.stdout.strip() == "False True"
 
 
+def test_a_launch_imports_neither_the_job_commands_nor_ssh():
+    """The launcher's own imports stand between the command and the ranks' start: rich and click (the job
+    commands, named in COMMANDS without importing them) and paramiko (a hostfile's fan-out) stay out."""
+    from dashrun.launch import cli, commands
+
+    assert cli.COMMANDS == frozenset(commands.cli.commands)
+    code = ("import sys, dashrun.launch.cli, dashrun.launch.dispatch, dashrun.launch.launcher; "
+            "print(sorted(m for m in ('rich', 'click', 'paramiko', 'dashrun.launch.commands', "
+            "'dashrun.launch.fanout') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_dashrun_never_imports_agent_at_run_time():
     code = ("import sys, dashrun, dashrun.launch.cli, dashrun.launch.launcher, dashrun.launch.commands, "
             "dashrun.rank.checkpointer, dashrun.memd.server; "

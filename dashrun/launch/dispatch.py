@@ -9,7 +9,7 @@ torch's elastic launcher (:mod:`dashrun.launch.launcher`).
 
 from __future__ import annotations
 
-from dashrun.launch import fanout, launcher
+from dashrun.launch import launcher
 from dashrun.launch.options import build_parser
 
 __all__ = ["launch"]
@@ -26,5 +26,7 @@ def launch(argv: list[str], overrides: dict | None = None) -> int:
     for name, value in (overrides or {}).items():
         setattr(args, name, value)
     if args.hostfile:
+        from dashrun.launch import fanout  # SSH (paramiko): only for a hostfile
+
         return fanout.run(fanout.config_from_args(argv, args, parser))
     return launcher.run(launcher.config_from_args(argv, args))

@@ -48,8 +48,6 @@ __all__ = ["AgentProcess", "NodeConfig", "config_from_args", "prepare_job", "run
 
 log = logging.getLogger(__name__)
 
-#: Seconds the agent gets to start serving its Unix socket.
-AGENT_START_TIMEOUT = 30.0
 #: Seconds the agent gets to deliver what it holds when stopped.
 AGENT_STOP_TIMEOUT = 90.0
 #: How often the launcher checks that its agent is alive, and how often it restarts a dead one.
@@ -97,6 +95,11 @@ class AgentProcess:
     It runs in its own session so that terminal signals reach only the
     launcher; ranks reconnect to a restarted agent at their next save.
     It runs on ``cpus`` (None: where the launcher runs), restarted too.
+
+    Its socket is made here and handed to each agent started: the ranks
+    start at once, as torchrun's would, while the agent is still starting
+    (a rank that connects meanwhile waits in the socket's queue, and so
+    does one that connects while a dead agent is being restarted).
     """
 
     def __init__(self, options: LaunchOptions, cpus: frozenset[int] | None = None, prefetch: bool = True):
@@ -105,6 +108,7 @@ class AgentProcess:
         self.prefetch = prefetch
         self._dir = Path(tempfile.mkdtemp(prefix="dashrun-"))
         self.socket_path = self._dir / "agent.sock"
+        self._listener: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = threading.Event()
@@ -116,16 +120,17 @@ class AgentProcess:
         extra = (["--metadata-endpoint", options.metadata_endpoint] if options.metadata_endpoint else []) + (
             ["--poll-interval", str(options.poll_interval)] if options.poll_interval else []) + (
             [] if self.prefetch else ["--no-prefetch"])
+        listen_fd = self._listener.fileno()
         with thread_affinity(self.cpus):  # the agent and every thread it starts inherit this thread's CPUs
-            self.proc = daemon.start(
+            self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file",
-                 str(options.token_file), "--socket", str(self.socket_path), "--parent-pid", str(os.getpid()),
-                 "--job-id", options.job_id, "--cloud", options.cloud, *options.tls.args(), *extra],
-                ready=daemon.accepting(self.socket_path), what="dash-agent", timeout=AGENT_START_TIMEOUT,
-                start_new_session=True)
+                 str(options.token_file), "--socket", str(self.socket_path), "--listen-fd", str(listen_fd),
+                 "--parent-pid", str(os.getpid()), "--job-id", options.job_id, "--cloud", options.cloud,
+                 *options.tls.args(), *extra], pass_fds=(listen_fd,), start_new_session=True)
 
     def __enter__(self) -> AgentProcess:
         try:
+            self._listener = daemon.private_listener(self.socket_path)
             self._start()
         except BaseException:
             self._cleanup()
@@ -147,7 +152,7 @@ class AgentProcess:
                         AGENT_MAX_RESTARTS)
             try:
                 self._start()
-            except UnavailableError as e:
+            except OSError as e:
                 log.error("cannot restart dash-agent: %s", e)
 
     def __exit__(self, *exc) -> None:
@@ -159,6 +164,8 @@ class AgentProcess:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -4,10 +4,14 @@ The one way dashrun's launcher (its dash-agent, the private dash-memd), the
 tests, the benchmarks and the demo start a process that must be serving
 before anything goes on: start it, poll a readiness check, and if the
 process exits first or the deadline passes, kill it and say so in one line.
+A Unix socket that a daemon serves can also be made before the daemon, by
+its starter, which hands it on (:func:`private_listener`): whoever connects
+meanwhile waits in its queue instead of being refused.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -17,7 +21,7 @@ from typing import Callable, Sequence, TypeVar
 
 from dashrun.errors import UnavailableError
 
-__all__ = ["accepting", "file_written", "start", "stop", "wait_until"]
+__all__ = ["accepting", "file_written", "private_listener", "start", "stop", "wait_until"]
 
 T = TypeVar("T")
 
@@ -59,6 +63,23 @@ def accepting(path: str | Path) -> Callable[[], bool]:
             except OSError:
                 return False
     return check
+
+
+def private_listener(path: str | Path, backlog: int = 256) -> socket.socket:
+    """A Unix socket listening at ``path`` (replacing a stale one) that only this user may connect to."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+        listener.listen(backlog)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    return listener
 
 
 def start(argv: Sequence[str], *, ready: Callable[[], bool], what: str, timeout: float = 60.0,

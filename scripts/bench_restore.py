@@ -27,7 +27,8 @@ allocated and touched, its optimizer without state yet:
 Then the relaunch: from the command until ``restore()`` returned, for a script
 that builds the model and restores it, launched by ``dashrun`` against a
 running dash-memd, and by ``torchrun`` with ``torch.load`` + ``load_state_dict``
-of a warm file (``--relaunch-rounds``, at the first size).
+of a warm file (``--relaunch-rounds``, at the first size), with when the rank
+started (its first line ran), imported torch and built the model.
 
 Placement, as dashrun places a two-core node: the restoring process on the
 first core; dash-memd and dash-agent on the second.
@@ -66,6 +67,7 @@ MiB, GiB = 1 << 20, 1 << 30
 RELAUNCHED = """
 import os, sys, time
 started = float(os.environ["BENCH_STARTED"])
+began = time.time() - started
 sys.path.insert(0, {scripts!r})
 import torch
 torch.set_num_threads(1)
@@ -81,7 +83,7 @@ if sys.argv[1] == "torch.load":
 else:
     import dashrun
     step = dashrun.Checkpointer(model=model, optimizer=optimizer, interval=10**9).restore()
-print("RESTORED", step, time.time() - started, imported, built, flush=True)
+print("RESTORED", step, time.time() - started, began, imported, built, flush=True)
 """
 
 
@@ -266,10 +268,10 @@ def measure_relaunch(result: dict, size: int, rounds: int, workdir: Path, train_
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESTORED")]
             if out.returncode != 0 or not lines:
                 raise RuntimeError(f"{name} failed (exit {out.returncode}): {out.stderr[-2000:]}")
-            _, _, total, imported, built = lines[-1].split()
+            _, _, total, began, imported, built = lines[-1].split()
             times[name].append(float(total))
-            phases.setdefault(name, []).append({"torch_imported_s": float(imported), "model_built_s": float(built),
-                                                "restored_s": float(total)})
+            phases.setdefault(name, []).append({"rank_started_s": float(began), "torch_imported_s": float(imported),
+                                                "model_built_s": float(built), "restored_s": float(total)})
     return {name: {"times_s": t, "best_s": min(t), "median_s": statistics.median(t), "phases": phases[name]}
             for name, t in times.items()}
 
@@ -289,10 +291,11 @@ def report(results: list[dict], machine: dict) -> None:
             print("  relaunch, command to restore() returned:")
             base = r["relaunch"]["torchrun + torch.load"]["median_s"]
             for name, w in r["relaunch"].items():
-                last = w["phases"][-1]
+                phase = {key: statistics.median(p[key] for p in w["phases"]) for key in w["phases"][0]}
                 print(f"    {name:32} best {w['best_s']:.2f} s  median {w['median_s']:.2f} s  "
-                      f"({w['median_s'] / base:.2f}x torchrun + torch.load); last run: torch imported at "
-                      f"{last['torch_imported_s']:.2f} s, model built at {last['model_built_s']:.2f} s")
+                      f"({w['median_s'] / base:.2f}x torchrun + torch.load); medians: the rank started at "
+                      f"{phase['rank_started_s']:.2f} s, imported torch at {phase['torch_imported_s']:.2f} s, "
+                      f"built the model at {phase['model_built_s']:.2f} s")
 
 
 def measure(sizes: list[int], rounds: int, procs: bench.Processes, cores: tuple[int, int], *, plain: bool,

@@ -194,6 +194,25 @@ def test_memd_reports_a_busy_port(memd, tmp_path, token_file):
     assert result.returncode == 2 and "cannot listen" in result.stderr
 
 
+def test_the_launcher_closes_the_agent_s_socket_once_it_gives_up_restarting_it(memd, tmp_path, monkeypatch):
+    """An agent that cannot start (here: its token file is gone) is restarted a few times; then its socket goes,
+    so that a rank is refused at once instead of waiting in the queue of a socket nobody will serve."""
+    from dashrun.errors import UnavailableError
+    from dashrun.launch import launcher
+    from dashrun.launch.options import LaunchOptions
+    from dashrun.wire.tls import TlsSettings
+
+    monkeypatch.setattr(launcher, "AGENT_MAX_RESTARTS", 1)
+    host, port = memd.address.rsplit(":", 1)
+    options = LaunchOptions(memd=(host, int(port)), token_file=tmp_path / "gone", job_id="broken", cloud="none",
+                            tls=TlsSettings(plaintext=bool(memd.tls_args)))
+    with launcher.AgentProcess(options) as agent:
+        wait_for(lambda: not agent.socket_path.exists(), 60, "the launcher to give up on its agent")
+        assert agent.restarts == 1 and agent.proc.poll() is not None
+        with pytest.raises(UnavailableError, match="cannot reach dash-agent"):
+            AgentLink(str(agent.socket_path)).call(Kind.PING, timeout=5)
+
+
 @pytest.mark.parametrize("given", ["not a socket", "a TCP socket"])
 def test_agent_refuses_a_listen_fd_that_is_not_a_listening_unix_socket(memd, tmp_path, given):
     import socket

@@ -146,6 +146,7 @@ class AgentProcess:
             if self.restarts >= AGENT_MAX_RESTARTS:
                 log.error("dash-agent exited with code %s and was restarted %d times already; checkpoints of "
                           "this node stop here", code, self.restarts)
+                self._close_socket()  # ranks waiting in its queue, and any that connect later, are refused now
                 return
             self.restarts += 1
             log.warning("dash-agent exited with code %s; restarting it (%d/%d)", code, self.restarts,
@@ -163,9 +164,13 @@ class AgentProcess:
             daemon.stop(self.proc, timeout=AGENT_STOP_TIMEOUT)  # SIGTERM: the agent delivers what it holds
         self._cleanup()
 
-    def _cleanup(self) -> None:
+    def _close_socket(self) -> None:
+        self.socket_path.unlink(missing_ok=True)
         if self._listener is not None:
             self._listener.close()
+
+    def _cleanup(self) -> None:
+        self._close_socket()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ that goes wrong with one connection stops the agent taking the next.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -183,7 +184,7 @@ class AgentServer:
         """Take one rank's connection and serve it in threads of its own."""
         sock, _ = listener.accept()
         try:
-            if not _same_user(sock):
+            if not _same_user(sock) or self._stopping.is_set():  # (stop()'s own wake-up call, say)
                 sock.close()
                 return
             conn = RankConnection(self, sock)
@@ -198,10 +199,14 @@ class AgentServer:
         """Stop accepting, deliver what ranks already handed over (within the drain timeout)."""
         self._stopping.set()
         if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            if self.config.listen_fd is None:
+                try:
+                    self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+                except OSError:
+                    pass
+            else:  # the launcher's socket outlives us (it may start another agent on it): wake the loop by calling
+                with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                    wake.connect(str(self.config.socket_path))
             self._listener.close()
             if self.config.listen_fd is None:  # an inherited socket's path is its maker's
                 self.config.socket_path.unlink(missing_ok=True)

@@ -275,4 +275,14 @@ def test_ranks_reach_the_launcher_s_agent_before_it_is_up_and_while_it_is_restar
         finally:
             meanwhile.close()
         assert agent.restarts == 1 and agent.proc is not dead
+        # An agent stopped cleanly by someone else (SIGTERM) leaves the socket to the one restarted after it.
+        stopped = agent.proc
+        stopped.terminate()
+        assert stopped.wait(timeout=60) == 0
+        after = AgentLink(str(agent.socket_path))
+        try:
+            assert after.call(Kind.PING, timeout=30).kind == Kind.OK
+        finally:
+            after.close()
+        assert agent.restarts == 2
     assert not agent.socket_path.exists()

@@ -223,3 +223,56 @@ def test_fsdp_in_an_elastic_job_a_notice_shrinks_it_and_the_survivor_reshards(me
     stats = json.loads((out / "restore-rank0.json").read_text())  # its restore at world 1: both saved ranks' pieces
     assert 0 < stats["sharded_read"] <= 1.2 * stats["sharded_needed"], stats
     assert "world 2 -> 1: 127.0.0.2 noticed" in err
+
+
+NAMES_CHECK = """
+import sys
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from dashrun.rank import sharded
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+fully_shard(model[0]), fully_shard(model)
+optimizer = torch.optim.AdamW(model[0].parameters(), lr=0.1)
+schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+def same(ours, torchs, where):
+    if isinstance(torchs, dict):
+        assert list(ours) == list(torchs), (where, list(ours), list(torchs))
+        for key in torchs:
+            same(ours[key], torchs[key], f"{where}.{key}")
+    elif isinstance(torchs, list):
+        assert len(ours) == len(torchs), where
+        for i, (a, b) in enumerate(zip(ours, torchs)):
+            same(a, b, f"{where}[{i}]")
+    elif isinstance(torchs, torch.Tensor):
+        assert ours is torchs, where  # the optimizer's own tensors, no copy
+    else:
+        assert type(ours) is type(torchs) and ours == torchs, (where, ours, torchs)
+
+# Before any step torch gives the optimizer its state; the names are kept from then on.
+same(sharded.state_dict_of(optimizer, model), get_optimizer_state_dict(model, optimizer), "first")
+assert optimizer in sharded._optimizer_names
+for step in range(6):
+    if step == 3:  # a new group: its parameters' names are asked of torch again
+        optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 0.05})
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step(), optimizer.zero_grad(), schedule.step()
+    same(sharded.state_dict_of(optimizer, model), get_optimizer_state_dict(model, optimizer), f"step {step}")
+assert len(sharded._optimizer_names[optimizer][2]) == 4
+print("same", optimizer.param_groups[0]["lr"])
+dist.destroy_process_group()
+"""
+
+
+def test_an_optimizer_of_dtensors_is_named_as_torch_names_it_at_every_save(tmp_path):
+    """save() names an FSDP2 optimizer's state as get_optimizer_state_dict does, from torch's answer kept
+    from the first save: the same keys, groups and learning rates as a schedule changes them, the optimizer's
+    own tensors, and a group added later named too."""
+    script = tmp_path / "names.py"
+    script.write_text(NAMES_CHECK)
+    result = run([sys.executable, str(script), str(tmp_path / "store")], timeout=120)
+    assert result.stdout.split() == ["same", str(0.1 * 0.5 ** 6)]

@@ -210,11 +210,13 @@ class Checkpointer:
         """
         if not self.enabled or self.preempted:
             return False
+        started = time.perf_counter()
         agreed = self._notices.agree()
         if (agreed.emergency or agreed.reshape) and self.elastic and not self._notices.noticed_here:
             self._world_change(step, agreed)
         if agreed.emergency:
             return self._emergency(step, agreed)
+        snapshot = None
         try:
             interval = min(self.interval, self.early_interval) if agreed.early else self.interval
             if not force and self._last_step is not None and step - self._last_step < interval:
@@ -223,27 +225,43 @@ class Checkpointer:
                 return False
             if not force and agreed.starved:
                 return self._skip(step)
-            return self._snapshot(step, force)
+            snapshot = self._take(step, force)
+            return snapshot is not None
         finally:
             if self._notices.shared:
                 self._notices.publish(starved=not self._stager.has_free())
+            if snapshot is not None:
+                # Handed to the stager last: its thread, woken, takes the GIL for the layout, and this one would
+                # wait for it to start the all-reduce.
+                self._hand(snapshot, started)
 
     def _snapshot(self, step: int, wait_for_buffer: bool, emergency: bool = False) -> bool:
         started = time.perf_counter()
+        snapshot = self._take(step, wait_for_buffer, emergency)
+        if snapshot is not None:
+            self._hand(snapshot, started)
+        return snapshot is not None
+
+    def _take(self, step: int, wait_for_buffer: bool, emergency: bool = False) -> Snapshot | None:
+        """Capture the state after ``step`` into a reserved buffer; None if none came free (the save skipped)."""
         self._await_copy()
         buffer_index = self._stager.reserve(wait=wait_for_buffer)
         if buffer_index is None:
-            return self._skip(step)
+            self._skip(step)
+            return None
         snapshot = capture(step, buffer_index, self.objects, self.per_rank, rank=self.rank, emergency=emergency,
                            owners=self._owners)
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1
+        return snapshot
+
+    def _hand(self, snapshot: Snapshot, started: float) -> None:
+        """Stage ``snapshot``; training was held since ``started`` (save() called) for it."""
         self._stager.submit(snapshot)
         stall = time.perf_counter() - started
         self.stats.stall_s += stall
         self.stats.last_stall_s = stall
-        return True
 
     def _skip(self, step: int) -> bool:
         """A due snapshot skipped (on every rank at once: see Agreement.starved), counted."""

@@ -26,6 +26,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
+import sys
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -75,27 +78,29 @@ def local_pieces(leaves: Sequence[Any]) -> tuple[list[list[Any]], list[Piece], l
     return described, pieces, tensors
 
 
-#: (mesh, rank, placements, global shape) -> the chunks this rank saves of such a DTensor: a save asks for every
-#: leaf, and torch's answer, the same each time, costs about as much as the rest of capturing it.
-_chunk_cache: dict[tuple, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+#: id(DTensorSpec) -> (the spec, its hash, the chunks this rank saves of a DTensor of it): a save asks for every
+#: leaf, and torch's answer, the same each time, costs about as much as the rest of capturing it. A parameter or
+#: optimizer state keeps its spec from one step to the next; the spec is held, so its id names no other meanwhile,
+#: and its hash (which torch keeps, and forgets when a field of the spec is set) tells if it was changed in place.
+_chunk_cache: dict[int, tuple[Any, int, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
 
 
 def _saved_chunks(leaf: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, sizes) of each chunk of ``leaf`` this rank saves: none where it is not in the leaf's mesh,
     where it holds a replica (coordinate 0 of a replicated mesh dimension saves it) or an empty piece."""
-    mesh = leaf.device_mesh
-    key = (mesh, mesh.get_rank(), tuple(leaf.placements), tuple(leaf.shape))  # meshes are equal by layout
-    chunks = _chunk_cache.get(key)
-    if chunks is None:
-        chunks = []
-        coordinate = mesh.get_coordinate()
-        if coordinate is not None and not any(c != 0 for c, p in zip(coordinate, leaf.placements)
-                                              if p.is_replicate() or p.is_partial()):
-            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in leaf.__create_chunk_list__()
-                      if math.prod(c.sizes)]  # an uneven split leaves some ranks nothing
-        if len(_chunk_cache) > 4096:  # meshes come and go (an elastic restart makes new ones): forget old ones
-            _chunk_cache.clear()
-        _chunk_cache[key] = chunks
+    spec = leaf._spec
+    known = _chunk_cache.get(id(spec))
+    if known is not None and known[0] is spec and known[1] == hash(spec):
+        return known[2]
+    chunks = []
+    coordinate = leaf.device_mesh.get_coordinate()
+    if coordinate is not None and not any(c != 0 for c, p in zip(coordinate, leaf.placements)
+                                          if p.is_replicate() or p.is_partial()):
+        chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in leaf.__create_chunk_list__()
+                  if math.prod(c.sizes)]  # an uneven split leaves some ranks nothing
+    if len(_chunk_cache) > 4096:  # meshes come and go (an elastic restart makes new ones): forget old ones
+        _chunk_cache.clear()
+    _chunk_cache[id(spec)] = (spec, hash(spec), chunks)
     return chunks
 
 
@@ -122,12 +127,44 @@ def owners(objects: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
 
 
 def state_dict_of(obj: Any, owner: torch.nn.Module | None) -> Any:
-    """What ``save()`` takes of ``obj``: an optimizer of DTensors by parameter name, anything else as it says."""
+    """What ``save()`` takes of ``obj``: an optimizer of DTensors by parameter name, anything else as it says.
+
+    ``get_optimizer_state_dict`` answers with ``obj.state_dict()``, each parameter's number replaced by its
+    name in ``owner``; working the names out again costs half of a sharded save()'s time on the training thread.
+    So torch is asked once, and while the optimizer has state and the same parameters of the same module, the
+    names it gave are put on ``obj.state_dict()`` (see :data:`_optimizer_names`)."""
     if owner is None:
         return obj.state_dict()
+    params = [p for group in obj.param_groups for p in group["params"]]
+    known = _optimizer_names.get(obj)
+    if (known is not None and known[0] is owner and obj.state and len(known[1]) == len(params)
+            and all(map(operator.is_, known[1], params))):
+        return _named(obj.state_dict(), known[2])
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(owner, obj)
+    state = get_optimizer_state_dict(owner, obj)
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    # Names that torch derives only from the module's structure: not where FSDP1 flattens parameters (its optimizer
+    # state is rewritten, not renamed), nor where a parameter has none.
+    if len(names) == len(params) and not _has_fsdp1(owner):
+        _optimizer_names[obj] = (owner, tuple(params), names)
+    return state
+
+
+#: Per optimizer of DTensors: (its module, its parameters in order, the name ``get_optimizer_state_dict`` gave each).
+_optimizer_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _named(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter name as ``get_optimizer_state_dict`` keys it."""
+    return {"state": {names[number]: value for number, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[number] for number in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _has_fsdp1(module: torch.nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in module.modules())
 
 
 def load_state(obj: Any, owner: torch.nn.Module | None, state: Any) -> None:

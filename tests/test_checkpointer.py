@@ -254,6 +254,36 @@ def test_interval_and_overlapped_copy(stack, rank_env):
     ckpt.close()
 
 
+class FailingState:
+    """An object whose state_dict() raises while ``fails``."""
+
+    fails = True
+
+    def state_dict(self):
+        if self.fails:
+            raise RuntimeError("the state cannot be read")
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_save_whose_capture_fails_gives_its_staging_buffer_back(stack, rank_env):
+    """save() raises what state_dict() raised, and the staging buffer it had reserved is free again: after two
+    such failures (one per buffer) the next due save still starts."""
+    _, agent = stack
+    model, opt, _ = trained_objects()
+    failing = FailingState()
+    ckpt = rank_env(agent, "capture-fails", 0, 1, model=model, optimizer=opt, extra=failing)
+    for step in (4, 9):  # due, not forced: a buffer is reserved only if one is free
+        with pytest.raises(RuntimeError, match="cannot be read"):
+            ckpt.save(step)
+    failing.fails = False
+    assert ckpt.save(14)
+    assert ckpt.wait(60) and ckpt.stats.skipped == 0
+    ckpt.close()
+
+
 def test_a_dead_agent_never_blocks_training(rank_env, caplog):
     caplog.set_level(logging.WARNING, logger="dashrun")
     model, opt, _ = trained_objects()

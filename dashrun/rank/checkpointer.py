@@ -249,8 +249,12 @@ class Checkpointer:
         if buffer_index is None:
             self._skip(step)
             return None
-        snapshot = capture(step, buffer_index, self.objects, self.per_rank, rank=self.rank, emergency=emergency,
-                           owners=self._owners)
+        try:
+            snapshot = capture(step, buffer_index, self.objects, self.per_rank, rank=self.rank,
+                               emergency=emergency, owners=self._owners)
+        except BaseException:
+            self._stager.unreserve(buffer_index)  # for the next save(): this one failed before anything was staged
+            raise
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1

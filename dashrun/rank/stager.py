@@ -137,6 +137,12 @@ class Stager:
                 self._reserved.add(index)
             return index
 
+    def unreserve(self, index: int) -> None:
+        """Give back a buffer :meth:`reserve` gave, unused."""
+        with self._cond:
+            self._reserved.discard(index)
+            self._cond.notify_all()
+
     def has_free(self) -> bool:
         """Whether a snapshot could start now without waiting for a buffer (nothing is reserved)."""
         with self._cond:

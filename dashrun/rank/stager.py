@@ -138,7 +138,7 @@ class Stager:
             return index
 
     def unreserve(self, index: int) -> None:
-        """Give back a buffer :meth:`reserve` gave, unused."""
+        """Give back a buffer :meth:`reserve` gave, unused (its snapshot failed before it was written)."""
         with self._cond:
             self._reserved.discard(index)
             self._cond.notify_all()
@@ -265,9 +265,7 @@ class Stager:
         try:
             copies = self.layout(snapshot)
         except BaseException as e:
-            with self._cond:
-                self._reserved.discard(snapshot.buffer_index)
-                self._cond.notify_all()
+            self.unreserve(snapshot.buffer_index)
             snapshot.copied.set()
             snapshot.handed.set()
             log.error("dashrun: the checkpoint of step %d cannot be staged: %s", snapshot.step, e)

@@ -1005,6 +1005,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < args.interval or args.steps % args.interval:
         parser.error("--steps must be a positive multiple of --interval")
     args.warmup = max(2, args.warmup)
+    if args.fsdp and args.agent_on_training_core:
+        parser.error("--agent-on-training-core is for the one-process variants: --fsdp has a training core per "
+                     "rank and pins dash-agent beside dash-memd")
     if args.fsdp:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         procs = Processes()

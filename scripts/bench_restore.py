@@ -24,6 +24,10 @@ allocated and touched, its optimizer without state yet:
 * **dashrun, dash-memd disk** — dash-memd restarted before the round, so that it
   reads the checkpoint from its disk.
 
+Beside each way's times, the CPU seconds each process spent on a restore
+(medians): dash-memd, dash-agent, the restoring process — on this machine
+they share its cores, where a node would have dash-memd on another machine.
+
 Then the relaunch: from the command until ``restore()`` returned, for a script
 that builds the model and restores it, launched by ``dashrun`` against a
 running dash-memd, and by ``torchrun`` with ``torch.load`` + ``load_state_dict``
@@ -140,17 +144,40 @@ class Stack:
                                LOCAL_WORLD_SIZE=str(local_world))
 
 
-def timed(fn, before=None) -> float:
+#: The processes whose CPU time a restore is charged, as the report names them.
+CPU_OF = ("dash-memd", "dash-agent", "restoring process")
+
+
+def cpu_seconds(stack: Stack | None) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) each process has used so far: this one, and ``stack``'s
+    dash-memd and dash-agent."""
+    import psutil
+
+    spent = os.times()
+    used = {"restoring process": spent.user + spent.system}
+    if stack is not None:
+        for label, proc in (("dash-memd", stack.memd), ("dash-agent", stack.agent)):
+            times = psutil.Process(proc.pid).cpu_times()
+            used[label] = times.user + times.system
+    return used
+
+
+def timed(fn, before=None, stack: Stack | None = None) -> tuple[float, dict[str, float]]:
+    """(seconds ``fn()`` took, the CPU seconds each process spent meanwhile)."""
     if before is not None:
         before()
+    cpu = cpu_seconds(stack)
     started = time.perf_counter()
     fn()
-    return time.perf_counter() - started
+    took = time.perf_counter() - started
+    return took, {label: used - cpu[label] for label, used in cpu_seconds(stack).items()}
 
 
-def summary(times: list[float], nbytes: int) -> dict:
+def summary(rounds: list[tuple[float, dict[str, float]]], nbytes: int) -> dict:
+    times = [took for took, _ in rounds]
+    cpu = {label: statistics.median(used[label] for _, used in rounds) for label in rounds[0][1]}
     return {"times_s": times, "best_s": min(times), "median_s": statistics.median(times),
-            "bandwidth": nbytes / min(times)}
+            "bandwidth": nbytes / min(times), "cpu_s": cpu}
 
 
 def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, cores: tuple[int, int],
@@ -216,7 +243,7 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
         optimizer.state.clear()
         gc.collect()
 
-    times: dict[str, list[float]] = {}
+    times: dict[str, list[tuple[float, dict[str, float]]]] = {}
     ways = {"torch.load": lambda: torch_load(False), "torch.load(mmap=True)": lambda: torch_load(True),
             "DCP load": dcp_load}
     for _ in range(rounds + 1):  # the first round warms up (page cache, buffers)
@@ -225,17 +252,18 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
         for stack in stacks:
             label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
             # A node of one rank reads the state from dash-memd's RAM straight into its tensors.
-            times.setdefault(f"{label}, dash-memd RAM", []).append(timed(lambda: restore(stack, 1), relaunched))
+            times.setdefault(f"{label}, dash-memd RAM", []).append(
+                timed(lambda: restore(stack, 1), relaunched, stack))
             # A node of two ranks: the first restore fetches the image from dash-memd's RAM, the second is
             # served the image this node holds.
             times.setdefault(f"{label}, dash-memd RAM, 2-rank node", []).append(
-                timed(lambda: restore(stack, 2), relaunched))
-            times.setdefault(f"{label}, this node", []).append(timed(lambda: restore(stack, 2), relaunched))
+                timed(lambda: restore(stack, 2), relaunched, stack))
+            times.setdefault(f"{label}, this node", []).append(timed(lambda: restore(stack, 2), relaunched, stack))
     for stack in stacks:  # from disk: dash-memd restarted before each round holds nothing in RAM
         label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
         for _ in range(rounds):
             stack.restart_memd()
-            times.setdefault(f"{label}, dash-memd disk", []).append(timed(lambda: restore(stack), relaunched))
+            times.setdefault(f"{label}, dash-memd disk", []).append(timed(lambda: restore(stack), relaunched, stack))
     times = {name: t[1:] if len(t) > rounds else t for name, t in times.items()}
     loopback = bench.measure_loopback(nbytes, side_core, procs)
     return {"state_bytes": described["state_bytes"], "checkpoint_bytes": nbytes, "model": described,
@@ -287,6 +315,13 @@ def report(results: list[dict], machine: dict) -> None:
         for name, w in r["ways"].items():
             print(f"  {name:46} {w['best_s']:8.3f} {w['median_s']:9.3f} {nbytes / w['best_s'] / GiB:7.2f} "
                   f"{w['median_s'] / limit:8.2f} {w['median_s'] / base:13.2f}")
+        print(f"  CPU seconds per restore (medians; the machine has {os.cpu_count()} CPUs)")
+        print(f"  {'way':46} {'dash-memd':>10} {'dash-agent':>11} {'restoring':>10} {'all':>6} {'all / wall':>11}")
+        for name, w in r["ways"].items():
+            cpu = w["cpu_s"]
+            cells = [f"{cpu[label]:.2f}" if label in cpu else "-" for label in CPU_OF]
+            print(f"  {name:46} {cells[0]:>10} {cells[1]:>11} {cells[2]:>10} {sum(cpu.values()):6.2f} "
+                  f"{sum(cpu.values()) / w['median_s']:11.2f}")
         if r["relaunch"]:
             print("  relaunch, command to restore() returned:")
             base = r["relaunch"]["torchrun + torch.load"]["median_s"]

@@ -98,7 +98,11 @@ def test_unknown_values_are_refused_with_their_path():
     class Opaque:
         pass
 
-    with pytest.raises(UsageError, match=r"state\.opt\.thing"):
+    with pytest.raises(UsageError, match=r"state\.opt\.thing:"):
         statetree.flatten({"opt": {"thing": Opaque()}})
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=r"state\.opt\.state\[3\]\[1\]\.m:"):
+        statetree.flatten({"opt": {"state": {3: ("x", {"m": Opaque()})}}})
+    with pytest.raises(UsageError, match=r"state\.groups\[0\]\.params\[2\]:"):
+        statetree.flatten({"groups": [{"params": [0, 1, Opaque()]}]})
+    with pytest.raises(UsageError, match=r"state\.sparse:.*layout"):
         statetree.flatten({"sparse": torch.eye(3).to_sparse()})

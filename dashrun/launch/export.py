@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -129,7 +130,9 @@ def write(state: dict[str, Any], fmt: str, out: Path) -> None:
         else:
             import torch.distributed.checkpoint as dcp
 
-            dcp.save(_plain(state), checkpoint_id=str(tmp), no_dist=True)
+            with warnings.catch_warnings():  # torch warns that one process saves: what export asks of it
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.save(_plain(state), checkpoint_id=str(tmp), no_dist=True)
             for path in tmp.iterdir():
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())

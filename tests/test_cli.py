@@ -108,6 +108,19 @@ def test_without_memd_a_private_one_keeps_the_job_across_invocations(tmp_path):
     assert oct((tmp_path / "cache" / "dashrun" / "memd" / "token").stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_missing_script_or_program_stops_the_launch_in_one_line(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    missing = dashrun("--nproc-per-node", "2", "no_such_train.py", "--steps", "3", env=env, cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines() == [
+        f"dashrun: error: training script no_such_train.py not found (in {tmp_path})",
+        "dashrun: hint: give its path, or -m for a module, as to torchrun"]
+    assert not (tmp_path / "cache").exists()  # nothing started: no private dash-memd made its directory
+    program = dashrun("--no-python", "no-such-program-dashrun", env=env, cwd=tmp_path)
+    assert program.returncode == 2 and "program no-such-program-dashrun not found" in program.stderr
+    assert not (tmp_path / "cache").exists()
+
+
 # --- commands against a shared dash-memd --------------------------------------------
 
 

@@ -75,11 +75,12 @@ class NodeConfig:
 
 def config_from_args(argv: list[str], args: argparse.Namespace) -> NodeConfig:
     """dashrun's options checked, then torch's own pre-processing and ``config_from_args``."""
+    options = options_from_args(args)  # first: a mistake there is one line, without importing torch
+
     from torch.distributed.run import config_from_args as torch_config_from_args
 
     from dashrun.launch.rendezvous import use_memd_rendezvous
 
-    options = options_from_args(args)
     elastic = use_memd_rendezvous(args, options)
     apply_torchrun_defaults(args)
     launch_config, entrypoint, entrypoint_args = torch_config_from_args(args)

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from dashrun.wire.tls import TlsSettings
 
 __all__ = [
     "NAMES", "LaunchOptions", "OptionName", "apply_torchrun_defaults", "build_parser", "derive_job_id",
-    "job_id_from_args", "max_nodes", "memd_address", "options_from_args", "require_shared_memd",
+    "job_id_from_args", "max_nodes", "memd_address", "options_from_args", "require_script", "require_shared_memd",
     "require_token_file",
 ]
 
@@ -194,8 +195,25 @@ def max_nodes(args: argparse.Namespace) -> int:
     return parse_min_max_nnodes(args.nnodes)[1]
 
 
+def require_script(args: argparse.Namespace) -> None:
+    """The training script exists here: a missing one stops the launch in one line, before dash-memd, dash-agent
+    and the ranks start (each rank would fail alone, its one line lost among the launcher's). With ``-m`` it names
+    a module, which the ranks find on their own path; with ``--no-python``, a program (a path, or on PATH)."""
+    script = args.training_script
+    if args.module:
+        return
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise UsageError(f"program {script} not found, or not executable", hint="give its path, or put it on PATH")
+        return
+    if not os.path.exists(script):
+        raise UsageError(f"training script {script} not found (in {os.getcwd()})",
+                         hint="give its path, or -m for a module, as to torchrun")
+
+
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """dashrun's options of a launch on this node, checked; the token file is read now, to fail in one line."""
+    require_script(args)
     job_id = job_id_from_args(args)
     tls = TlsSettings.from_options(args.no_tls, args.tls_ca)
     agent_cpus = parse_agent_cpus(args.agent_cpus)

@@ -121,6 +121,28 @@ def test_a_missing_script_or_program_stops_the_launch_in_one_line(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_failed_rank_is_reported_by_what_it_said(tmp_path, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from dashrun.launch.launcher import _report_child_failure
+
+    said = tmp_path / "error.json"
+    said.write_text(json.dumps({"message": {"message": "ValueError: bad batch\n", "extraInfo": {"timestamp": "1"}}}))
+    failures = {0: ProcessFailure(0, 100, 1, str(said)), 1: ProcessFailure(1, 101, -15, str(tmp_path / "none"))}
+    failures[1].timestamp = failures[0].timestamp + 5  # killed well after rank 0 raised
+    _report_child_failure(ChildFailedError("train.py", failures))
+    assert capsys.readouterr().err.splitlines() == [
+        "dashrun: error: rank 0 failed first (exit code 1): ValueError: bad batch",
+        "dashrun: rank 1 failed after it"]
+    # No error file (sys.exit(2), or a Python that could not open the script): torch's message is a link only.
+    _report_child_failure(ChildFailedError("train.py", {3: ProcessFailure(3, 103, 2, str(tmp_path / "none"))}))
+    assert capsys.readouterr().err.splitlines() == [
+        "dashrun: error: rank 3 failed first (exit code 2): see its output above"]
+    silent = {r: ProcessFailure(r, 110 + r, -9, str(tmp_path / "none")) for r in (0, 1, 2)}
+    _report_child_failure(ChildFailedError("train.py", silent))
+    assert capsys.readouterr().err.splitlines()[1] == "dashrun: ranks 1, 2 failed after it"
+
+
 # --- commands against a shared dash-memd --------------------------------------------
 
 

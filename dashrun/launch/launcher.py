@@ -325,8 +325,11 @@ def _report_child_failure(err) -> None:
     rank, failure = _first_failure(err)
     reason = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
     reason = (reason or "").strip().splitlines()
-    detail = reason[-1] if reason else "see its output above"
+    # A rank that exited with a code but left no error file (sys.exit, a Python that could not start the
+    # script) gets torch's pointer to its docs as the message: its own output says more.
+    detail = reason[-1] if reason and (_said_why(failure) or failure.exitcode < 0) else "see its output above"
     print(f"dashrun: error: rank {rank} failed first (exit code {failure.exitcode}): {detail}", file=sys.stderr)
     others = sorted(r for r in err.failures if r != rank)
     if others:
-        print(f"dashrun: ranks {', '.join(map(str, others))} failed after it", file=sys.stderr)
+        print(f"dashrun: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed after it",
+              file=sys.stderr)

@@ -162,6 +162,22 @@ def test_keys_move_on_every_rekey_interval(monkeypatch):
         read_all(stale, 32)
 
 
+def test_a_sealed_receive_decrypts_into_place_holding_one_record_buffer():
+    """What the README's sizing counts per connection: a sealed channel's receive keeps its record buffer, no
+    landing buffer beside it."""
+    left, right = sealed_pair()
+    payload = os.urandom(3 * CHUNK + 5)
+    sender = threading.Thread(target=left.send, args=(Kind.PING, {}), kwargs={"data": [payload]})
+    sender.start()
+    frame = right.recv(max_data=1 << 30)
+    buf = bytearray(len(payload))
+    right.recv_data_into(frame, [memoryview(buf)])
+    sender.join(30)
+    assert buf == payload
+    assert right._landing is None and len(right._records._in) <= MAX_RECORD + 16
+    assert len(right._records._plain) < 4096  # a frame's header, read before its body
+
+
 def test_a_corrupted_shard_under_the_seal_still_fails_its_checksum():
     """The seal guards the link; the CRC trailer still guards the bytes end to end (a sender's wrong CRC)."""
     left, right = sealed_pair()

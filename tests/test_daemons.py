@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 import torch
-from conftest import wait_for
+from conftest import TRAIN, wait_for
 
 from dashrun import __version__, env
 from dashrun.agent.config import AgentConfig
@@ -228,10 +228,10 @@ def test_agent_refuses_a_listen_fd_that_is_not_a_listening_unix_socket(memd, tmp
 
 def test_dashrun_usage_errors(tmp_path, token_file):
     base = [sys.executable, "-m", "dashrun", "--memd", "127.0.0.1:1", "--token-file"]
-    bad_id = subprocess.run(base + [str(token_file), "--job-id", "../x", "train.py"], capture_output=True,
+    bad_id = subprocess.run(base + [str(token_file), "--job-id", "../x", str(TRAIN)], capture_output=True,
                             text=True, timeout=60)
     assert bad_id.returncode == 2 and "not a valid job id" in bad_id.stderr
-    no_token = subprocess.run(base + [str(tmp_path / "nope"), "train.py"], capture_output=True, text=True,
+    no_token = subprocess.run(base + [str(tmp_path / "nope"), str(TRAIN)], capture_output=True, text=True,
                               timeout=60)
     assert no_token.returncode == 2 and "cannot read token file" in no_token.stderr
     assert "Traceback" not in bad_id.stderr + no_token.stderr
@@ -244,7 +244,7 @@ def test_dashrun_refuses_to_start_with_a_token_memd_does_not_accept(memd, tmp_pa
     other = tmp_path / "other-token"
     write_token(other)
     result = subprocess.run([sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(other),
-                             "--nproc-per-node", "1", "train.py"], capture_output=True, text=True, timeout=120)
+                             "--nproc-per-node", "1", str(TRAIN)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "refused this node's token" in result.stderr and "Traceback" not in result.stderr
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import REPO, TRAIN, dashrun_cmd
 
-from dashrun.launch.options import build_parser
+from dashrun.errors import UsageError
+from dashrun.launch.options import build_parser, require_script
 
 ENVDUMP = REPO / "tests" / "bin" / "envdump.py"
 
@@ -116,9 +117,10 @@ def test_a_missing_script_or_program_stops_the_launch_in_one_line(tmp_path):
         f"dashrun: error: training script no_such_train.py not found (in {tmp_path})",
         "dashrun: hint: give its path, or -m for a module, as to torchrun"]
     assert not (tmp_path / "cache").exists()  # nothing started: no private dash-memd made its directory
-    program = dashrun("--no-python", "no-such-program-dashrun", env=env, cwd=tmp_path)
-    assert program.returncode == 2 and "program no-such-program-dashrun not found" in program.stderr
-    assert not (tmp_path / "cache").exists()
+    with pytest.raises(UsageError, match="program no-such-program-dashrun not found"):
+        require_script(build_parser().parse_args(["--no-python", "no-such-program-dashrun"]))
+    require_script(build_parser().parse_args(["--no-python", "true"]))
+    require_script(build_parser().parse_args(["-m", "no_such_module"]))  # the ranks' path may have it
 
 
 def test_a_failed_rank_is_reported_by_what_it_said(tmp_path, capsys):

@@ -8,7 +8,9 @@ shared memory, side by side in one run with what a bare sender/receiver pair
 of processes does on the same bytes:
 
 * dash-memd: a real dash-memd and MemdClient.put_shard (what dash-agent calls),
-  both pinned to one core; each round waits until the shard is on disk, so
+  both pinned to one core, over plaintext TCP (``--no-tls``: the landing buffer
+  is the plaintext receive's; a TLS receive decrypts each record straight into
+  the RAM buffer); each round waits until the shard is on disk, so
   the disk writer never overlaps the next round; with the checksum known
   beforehand (the rank's, computed as it staged: what dash-agent does with
   dashrun's C helper). Three variants, alternated round by round: as dashrun
@@ -51,6 +53,7 @@ from dashrun.wire.channel import CHUNK  # noqa: E402
 from dashrun.wire.memd_client import MemdClient  # noqa: E402
 from dashrun.wire.messages import ShardHeader  # noqa: E402
 from dashrun.wire.protocol import crc32c  # noqa: E402
+from dashrun.wire.tls import TlsSettings  # noqa: E402
 
 
 def staged(nbytes: int) -> memoryview:
@@ -89,11 +92,11 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float,
             memds[landing] = daemon.start(
                 [sys.executable, *command, "start", "--listen", "127.0.0.1:0", "--data-dir", str(where / "data"),
                  "--memory-limit", f"{4 * len(view) + (1 << 30)}", "--token-file", str(scratch / "token"),
-                 "--ready-file", str(where / "ready")],
+                 "--ready-file", str(where / "ready"), "--no-tls"],
                 ready=daemon.file_written(where / "ready"), what="dash-memd", log=where / "memd.log", timeout=60,
                 cwd=REPO, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
             host, port = (where / "ready").read_text().strip().rsplit(":", 1)
-            clients[landing] = MemdClient(host, int(port), token)
+            clients[landing] = MemdClient(host, int(port), token, tls=TlsSettings(plaintext=True))
         os.sched_setaffinity(0, {core})  # the sender (dash-agent's part) shares dash-memd's core
         known = crc32c(view)  # the rank's, computed as it staged: the sender only sends; dash-memd still verifies
         step = 0

@@ -319,9 +319,9 @@ def report(results: list[dict], machine: dict) -> None:
         print(f"  {'way':46} {'dash-memd':>10} {'dash-agent':>11} {'restoring':>10} {'all':>6} {'all / wall':>11}")
         for name, w in r["ways"].items():
             cpu = w["cpu_s"]
-            cells = [f"{cpu[label]:.2f}" if label in cpu else "-" for label in CPU_OF]
-            print(f"  {name:46} {cells[0]:>10} {cells[1]:>11} {cells[2]:>10} {sum(cpu.values()):6.2f} "
-                  f"{sum(cpu.values()) / w['median_s']:11.2f}")
+            memd, agent, restoring = (f"{cpu[label]:.2f}" if label in cpu else "-" for label in CPU_OF)
+            total = sum(cpu.values())
+            print(f"  {name:46} {memd:>10} {agent:>11} {restoring:>10} {total:6.2f} {total / w['median_s']:11.2f}")
         if r["relaunch"]:
             print("  relaunch, command to restore() returned:")
             base = r["relaunch"]["torchrun + torch.load"]["median_s"]

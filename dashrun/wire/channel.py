@@ -226,7 +226,8 @@ class Channel:
         return crc
 
     def _recv_streamed(self, view: memoryview, crc: int) -> int:
-        """Receive ``view`` chunk by chunk into the landing buffer, then on with streaming stores and the CRC.
+        """Receive ``view`` chunk by chunk into the landing buffer, then on with streaming stores and the CRC
+        (plaintext only: a sealed record is decrypted straight into place).
 
         Received straight into a large destination (dash-memd's RAM buffer), the kernel's
         copy reads every destination line before writing it, then the CRC reads the chunk

@@ -21,6 +21,7 @@ the image meanwhile never closes (or lets the system reuse) what is being sent.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -51,6 +52,8 @@ IDLE_CLIENT = 30.0
 
 #: Bytes of a restore image given memory at a time ahead of the streams that fill it.
 ALLOCATE_STEP = 8 << 20
+#: Checkpoint descriptions kept for direct reads (a few jobs' ranks restoring on one node at once).
+DESCRIBED = 8
 
 
 @dataclasses.dataclass
@@ -153,6 +156,10 @@ class RestoreCache:
         self._images: dict[tuple[str, int], RestoreImage] = {}
         self._waiting = 0  # ranks in get(): a fetch meanwhile is what they wait for (guarded by _lock)
         self._readers = threading.BoundedSemaphore(config.restore_streams)  # read_into()s at once
+        # The checkpoints direct reads asked for last, by (job, step, committed_at): dash-memd refuses a range of
+        # any other attempt at the step, so a description kept here cannot serve bytes it does not describe.
+        self._described: collections.OrderedDict[tuple[str, int, float], CheckpointInfo] = \
+            collections.OrderedDict()
 
     def get(self, job: str, step: int | None, ranks: Collection[int] | None = None,
             ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease | None:
@@ -279,14 +286,29 @@ class RestoreCache:
         from the fastest source that holds them; refused (NotFoundError) if that checkpoint is no longer the
         one committed at ``committed_at``. A rank waits for them: the reading threads may use every CPU."""
         with self._readers:  # as many as the streams a fetch would use; the rank keeps more asked for
-            with self.clients.client() as client:
-                info = client.latest(request.job, request.step)
-            if info is None or info.step != request.step or info.committed_at != request.committed_at:
-                raise NotFoundError(f"{request.job} step {request.step} went away while it was restored")
+            info = self._describe(request.job, request.step, request.committed_at)
             extents = replicated_span(info, request.start, request.stop, request.at)
             if request.at + (request.stop - request.start) > len(view):
                 raise ProtocolError("the segment is smaller than the range asked for")
             Planner([MemdSource(self.clients.client, 1)]).read(info, extents, view)
+
+    def _describe(self, job: str, step: int, committed_at: float) -> CheckpointInfo:
+        """The description of the checkpoint a direct read names: looked up once, not for every piece."""
+        key = (job, step, committed_at)
+        with self._lock:
+            info = self._described.get(key)
+            if info is not None:
+                self._described.move_to_end(key)
+                return info
+        with self.clients.client() as client:
+            info = client.latest(job, step)
+        if info is None or info.step != step or info.committed_at != committed_at:
+            raise NotFoundError(f"{job} step {step} went away while it was restored")
+        with self._lock:
+            self._described[key] = info
+            while len(self._described) > DESCRIBED:
+                self._described.popitem(last=False)
+        return info
 
     def handed_out(self, image: RestoreImage, local_ranks: int) -> None:
         """Count a rank served; once every local rank has its own descriptor, the agent's goes."""

@@ -42,7 +42,7 @@ def test_invisible_until_every_rank_arrived(cat):
             pass
     committed, payload = deliver(cat, third)
     assert committed and cat.latest("j").step == 1
-    with cat.open_shard("j", 1, 2) as (view, crc):
+    with cat.open_shard("j", 1, 2) as (view, crc, _marks):
         assert bytes(view) == payload and crc == crc32c(payload)
 
 
@@ -91,7 +91,7 @@ def test_reads_fall_back_to_disk_after_eviction(tmp_path):
             pass
     step1 = {c["step"]: c["tiers"] for c in cat.jobs()[0]["checkpoints"]}[1]
     assert step1 == ["disk"]
-    with cat.open_shard("j", 1, 1) as (view, _crc):
+    with cat.open_shard("j", 1, 1) as (view, _crc, _marks):
         assert bytes(view) == payloads[(1, 1)]
 
 
@@ -120,7 +120,7 @@ def test_a_reader_pins_the_checkpoint(tmp_path):
     for header in headers(step=1):
         payload[header.rank] = deliver(cat, header)[1]
     cat.persist_next(timeout=0)
-    with cat.open_shard("j", 1, 0) as (view, _):
+    with cat.open_shard("j", 1, 0) as (view, _, _marks):
         for step in (2, 3):
             for header in headers(step=step):
                 deliver(cat, header)
@@ -147,7 +147,7 @@ def test_rebuilt_from_disk_after_a_restart(tmp_path):
     reborn = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"))
     assert reborn.load_disk() == []
     assert reborn.latest("j").step == 4
-    with reborn.open_shard("j", 4, 1) as (view, _):
+    with reborn.open_shard("j", 4, 1) as (view, _, _marks):
         assert bytes(view) == payloads[1]
 
 
@@ -239,7 +239,7 @@ def test_a_late_duplicate_of_a_shard_is_refused_and_what_is_held_stays(cat):
     with pytest.raises(ConflictError, match="already committed"):  # a zombie node's copy, after the commit
         cat.begin_shard(first)
     cat.persist_next(timeout=0)
-    with cat.open_shard("j", 1, 0) as (view, crc):
+    with cat.open_shard("j", 1, 0) as (view, crc, _marks):
         assert bytes(view) == payload and crc == crc32c(payload)
     assert cat.ram.used == used
     held = [id(buf) for buf in cat.ledger.committed["j"][1].buffers.values()]
@@ -255,11 +255,11 @@ def test_a_shard_sent_again_before_the_commit_replaces_the_first_and_never_frees
     committed, _ = deliver(cat, second)   # the checkpoint commits with rank 0's first copy meanwhile
     assert committed
     used = cat.ram.used
-    with cat.open_shard("j", 1, 0) as (view, crc):
+    with cat.open_shard("j", 1, 0) as (view, crc, _marks):
         before = bytes(view)
     assert cat.finish_shard(again, crc32c(before)) is True  # the same shard: it is stored
     assert cat.ram.used == used - len(again.buffer)         # its own buffer went back, not a committed one
-    with cat.open_shard("j", 1, 0) as (view, crc):
+    with cat.open_shard("j", 1, 0) as (view, crc, _marks):
         assert bytes(view) == before and crc32c(before) == crc
     other = cat.begin_shard(headers(step=2)[0])              # reused buffers are not the committed ones
     assert all(other.buffer is not buf for buf in cat.ledger.committed["j"][1].buffers.values())
@@ -271,7 +271,7 @@ def test_a_new_attempt_at_a_step_that_never_committed_commits(cat):
     deliver(cat, first)                   # a rank died before sending: the job restarts at the same step
     fresh = [deliver(cat, header)[1] for header in (first, second)]
     assert cat.latest("j").step == 7
-    with cat.open_shard("j", 7, 0) as (view, _):
+    with cat.open_shard("j", 7, 0) as (view, _, _marks):
         assert bytes(view) == fresh[0]
     assert cat.ram.used == sum(len(b) for b in cat.ledger.committed["j"][7].buffers.values())
 

@@ -49,7 +49,7 @@ def test_a_bad_disk_copy_is_quarantined_and_the_checkpoint_before_it_served(tmp_
     assert moved.name.startswith(f"{2:016d}-") and not cat.disk.step_dir("j", 2).exists()
     summary = cat.jobs()[0]
     assert summary["quarantined"] == 1 and [c["step"] for c in summary["checkpoints"]] == [1]
-    with cat.open_shard("j", 1, 1) as (view, _):
+    with cat.open_shard("j", 1, 1) as (view, _, _marks):
         assert bytes(view) == payloads[(1, 1)]
 
     shard_file(cat.disk, "j", 1, 0).unlink()                # a copy gone from under dash-memd gives way too

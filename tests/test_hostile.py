@@ -541,6 +541,7 @@ POSTAUTH_ABSURD = {
     "2^64-data-on-list": raw_header(Kind.LIST, 2, (1 << 64) - 1, crc32c(b"{}")) + b"{}",
     "private_len-2^60": frame(Kind.PUT_SHARD, {**headers("big", world=1)[0].to_body(), "private_len": 1 << 60}),
     "rank-2^40": frame(Kind.GET_SHARD, {"job": "big", "step": 1, "rank": 1 << 40}),
+    "committed_at-1e300": frame(Kind.GET_SHARD, {"job": "big", "step": 1, "rank": 0, "committed_at": 1e300}),
     "step-2^63": frame(Kind.LATEST, {"job": "big", "step": 1 << 63}),
     "wait-1e300": frame(Kind.WAIT, {"job": "big", "step": 1, "timeout": 1e300}),
     "int-of-5000-digits": raw_body_frame(Kind.LATEST, b'{"job":"big","step":' + b"9" * 5000 + b"}"),

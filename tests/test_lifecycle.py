@@ -337,7 +337,7 @@ class Lifecycle(RuleBasedStateMachine):
         steps = sorted(self.cat.ledger.committed.get(job, {}))
         if not steps:
             return
-        with self.cat.open_shard(job, steps[0], 0) as (view, crc):
+        with self.cat.open_shard(job, steps[0], 0) as (view, crc, _marks):
             self.delete(job, keep)
             assert crc32c(view) == crc, "a checkpoint was freed or overwritten under its reader"
 
@@ -383,7 +383,7 @@ class Lifecycle(RuleBasedStateMachine):
                 assert candidates, f"{job} step {step} is back after it was deleted (or was never committed)"
                 layout = LAYOUTS.index(entry.layout)
                 for rank in range(entry.world):
-                    with self.cat.open_shard(job, step, rank) as (view, crc):
+                    with self.cat.open_shard(job, step, rank) as (view, crc, _marks):
                         assert crc32c(view) == crc, f"{job} step {step} rank {rank}: served bytes fail their CRC"
                         served = bytes(view)
                     candidates = {run for run in candidates if payload(job, run, step, rank, layout) == served}

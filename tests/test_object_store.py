@@ -50,7 +50,7 @@ def make_catalogue(tmp_path, url: str, name: str = "data", **kwargs) -> Catalogu
 
 
 def read(cat: Catalogue, job: str, step: int, rank: int) -> bytes:
-    with cat.open_shard(job, step, rank) as (view, crc):
+    with cat.open_shard(job, step, rank) as (view, crc, _marks):
         data = bytes(view)
     assert crc32c(data) == crc
     return data

@@ -24,8 +24,8 @@ from dashrun.wire.protocol import Kind
 LAYOUT = "ab" * 32
 
 
-def one_rank_checkpoint(client, job: str, payload: bytes) -> None:
-    header = ShardHeader(job, 1, 0, 1, len(payload), 0, len(payload), 0, 0, LAYOUT)
+def one_rank_checkpoint(client, job: str, payload: bytes, layout: str = LAYOUT) -> None:
+    header = ShardHeader(job, 1, 0, 1, len(payload), 0, len(payload), 0, 0, layout)
     assert client.put_shard(header, [payload])["committed"]
 
 
@@ -44,6 +44,47 @@ def test_byte_ranges_of_a_shard(memd):
             with pytest.raises(ProtocolError):
                 client.get_shard_into("ranges", 1, 0, [memoryview(bytearray(length))], offset=start)
         assert client.ping()  # refused requests leave dash-memd serving
+
+
+def test_a_read_in_pieces_never_mixes_two_attempts_at_one_step(memd, agent_factory):
+    """A step committed again (a new attempt at it, of another layout, replaces the one before) while a restore
+    reads it in pieces: every further piece of the attempt it began with is refused, by dash-memd and through
+    the agent's direct read, which looks the checkpoint up once, not for every piece."""
+    agent = agent_factory(memd)
+    first, second = os.urandom(3 << 20), os.urandom(3 << 20)
+    with memd.client() as client:
+        one_rank_checkpoint(client, "again", first)
+        before = client.latest("again")
+        got = bytearray(1 << 20)
+        client.get_shard_into("again", 1, 0, [memoryview(got)], offset=5, committed_at=before.committed_at)
+        assert bytes(got) == first[5:5 + len(got)]
+    fd = os.memfd_create("ring")
+    os.ftruncate(fd, 1 << 20)
+    link = AgentLink(str(agent.socket_path))
+    try:
+        def read(info, start):
+            request = ReadRequest("again", 1, info.committed_at, start, start + (1 << 20))
+            link.request(Kind.READ_INTO, request.to_body(), fds=[fd]).result(timeout=30).close_fds()
+            return os.pread(fd, 1 << 20, 0)
+
+        assert read(before, 0) == first[:1 << 20]
+        with memd.client() as client:
+            one_rank_checkpoint(client, "again", second, layout="cd" * 32)
+            after = client.latest("again")
+            assert after.committed_at != before.committed_at
+            for offset in (None, 1 << 20):
+                with pytest.raises(NotFoundError, match="committed again"):
+                    client.get_shard_into("again", 1, 0, [memoryview(got)], offset=offset,
+                                          committed_at=before.committed_at)
+            with pytest.raises(NotFoundError):
+                Planner([MemdSource(memd.client)]).read(before, replicated_span(before, 0, 1 << 20),
+                                                        memoryview(got))
+        with pytest.raises(NotFoundError):
+            read(before, 1 << 20)  # the agent described this attempt already: dash-memd refuses its bytes
+        assert read(after, 1 << 20) == second[1 << 20:2 << 20]
+    finally:
+        link.close()
+        os.close(fd)
 
 
 def test_a_large_shard_is_read_in_pieces_over_several_streams_into_place(memd):

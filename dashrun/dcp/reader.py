@@ -223,7 +223,8 @@ class Reader(Connected, StorageReader):
         else:
             shard = self.info.shards[where.rank]
             self._memd().get_shard_into(self.job, self.step, where.rank, [view],
-                                        offset=shard.rep_end - shard.rep_start + where.start + offset)
+                                        offset=shard.rep_end - shard.rep_start + where.start + offset,
+                                        committed_at=self.info.committed_at)
         self.bytes_read += len(view)
 
 
@@ -235,7 +236,7 @@ def describe_dcp(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | N
         return None
     meta = bytearray(shard.meta_len)
     client.get_shard_into(info.job, info.step, 0, [memoryview(meta)],
-                          offset=shard.rep_end - shard.rep_start + shard.private_len)
+                          offset=shard.rep_end - shard.rep_start + shard.private_len, committed_at=info.committed_at)
     try:
         description = loads_bounded(meta, MAX_META_DEPTH)
     except ValueError as e:

@@ -48,6 +48,7 @@ from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.memd.uploader import Uploader
 from dashrun.memd.verifier import DiskVerifier
 from dashrun.util.units import format_size
+from dashrun.wire.blocks import Marks, check_marks
 from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader, tiling_problem
 
 if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
@@ -173,14 +174,17 @@ class Catalogue:
             self._drop_if_empty(ticket.entry)
         self.ram.release(ticket.buffer)
 
-    def finish_shard(self, ticket: Ticket, crc: int) -> bool:
+    def finish_shard(self, ticket: Ticket, crc: int, marks: Marks | None = None) -> bool:
         """Store a verified shard; commit the checkpoint if it was the last. Returns True if committed.
+        ``marks``: its CRC-32C at every block's end as it arrived (see :mod:`dashrun.wire.blocks`), kept with it.
 
         The ticket's buffer goes into the checkpoint or back to the pool; a buffer the checkpoint already
         holds is released only while it is still being received (a rank sending its shard again replaces
         the copy that arrived before), never once it is committed.
         """
         entry, header = ticket.entry, ticket.header
+        if marks is not None:
+            check_marks(marks, header.nbytes, crc)
         with self._cond:
             entry.arriving.discard(header.rank)
             if entry.dropped:
@@ -197,6 +201,10 @@ class Catalogue:
                 self.ram.release(old)
             entry.shards[header.rank] = dataclasses.replace(header, crc=crc)
             entry.buffers[header.rank] = ticket.buffer
+            if marks is not None:
+                entry.marks[header.rank] = marks
+            else:
+                entry.marks.pop(header.rank, None)
             entry.touched = time.monotonic()
             if len(entry.shards) < entry.world:
                 return False
@@ -351,19 +359,25 @@ class Catalogue:
             return entry.info if entry else None
 
     @contextlib.contextmanager
-    def open_shard(self, job: str, step: int, rank: int) -> Iterator[tuple[memoryview, int]]:
-        """One committed shard's bytes and CRC-32C, pinned while the context lasts."""
+    def open_shard(self, job: str, step: int, rank: int,
+                   committed_at: float | None = None) -> Iterator[tuple[memoryview, int, Marks | None]]:
+        """One committed shard's bytes, CRC-32C and marks (served from RAM, where they were kept as it
+        arrived; else None), pinned while the context lasts; with ``committed_at``, only of the attempt at
+        that step committed then (a later attempt at a step replaces it)."""
         with self._cond:
             entry = self.ledger.committed.get(job, {}).get(step)
             if entry is None or not 0 <= rank < entry.world:
                 raise NotFoundError(f"{job} has no committed checkpoint of step {step} with rank {rank}")
+            if committed_at is not None and entry.info.committed_at != committed_at:
+                raise NotFoundError(f"{job} step {step} was committed again since it was looked up",
+                                    hint="look up the newest checkpoint again")
             entry.readers += 1
             tiers = set(entry.tiers)
             header = entry.shards[rank]
         try:
             if "ram" in tiers:
                 with memoryview(entry.buffers[rank]) as view:
-                    yield view[:header.nbytes], header.crc
+                    yield view[:header.nbytes], header.crc, entry.marks.get(rank)
                 return
             if "disk" in tiers:
                 with contextlib.ExitStack() as stack:
@@ -374,14 +388,14 @@ class Catalogue:
                         if "object" not in tiers:
                             raise type(e)(f"{e}; the checkpoint before it is served instead") from None
                     else:
-                        yield view, header.crc
+                        yield view, header.crc, None
                         return
             if "object" not in tiers:
                 raise NotFoundError(f"{job} step {step} is no longer held")
             buffer = self.uploader.read_shard(entry, rank)
             try:
                 with memoryview(buffer) as view:
-                    yield view[:header.nbytes], header.crc
+                    yield view[:header.nbytes], header.crc, None
             finally:
                 self.ram.release(buffer)
         finally:

@@ -20,6 +20,7 @@ import logging
 import mmap
 import time
 
+from dashrun.wire.blocks import Marks
 from dashrun.wire.messages import CheckpointInfo, ShardHeader
 
 __all__ = ["NEXT", "Entry", "State"]
@@ -55,6 +56,7 @@ class Entry:
     state: State = State.RECEIVING
     shards: dict[int, ShardHeader] = dataclasses.field(default_factory=dict)
     buffers: dict[int, mmap.mmap] = dataclasses.field(default_factory=dict)
+    marks: dict[int, Marks] = dataclasses.field(default_factory=dict)  # each buffer's CRC-32C at its blocks' ends
     tiers: set[str] = dataclasses.field(default_factory=set)
     info: CheckpointInfo | None = None
     readers: int = 0

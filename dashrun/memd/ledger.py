@@ -43,6 +43,7 @@ class Ledger:
         for buffer in entry.buffers.values():
             self.ram.release(buffer)
         entry.buffers.clear()
+        entry.marks.clear()
 
     def forget(self, entry: Entry) -> None:
         """Remove a committed entry from the catalogue; its RAM goes back once no one reads it."""
@@ -57,3 +58,4 @@ class Ledger:
         for buffer in self.ram.detach(entry.job, entry.step, [entry.buffers[r] for r in sorted(entry.buffers)]):
             self.ram.release(buffer)
         entry.buffers.clear()
+        entry.marks.clear()

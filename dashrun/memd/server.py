@@ -29,7 +29,9 @@ from dashrun.memd.fleet import FleetRequests
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.util.files import write_atomic
 from dashrun.util.problems import ProblemLog
+from dashrun.wire import blocks
 from dashrun.wire.auth import server_handshake
+from dashrun.wire.blocks import Marks
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import Kind, field_bool, field_float, field_int, field_job, field_step, field_str
@@ -294,12 +296,13 @@ class MemdServer:
             data = ch.recv(max_data=header.nbytes)
             if data.kind != Kind.SHARD_DATA or data.data_len != header.nbytes:
                 raise ProtocolError("expected the announced shard's data")
+            marks = Marks("I")
             with memoryview(ticket.buffer) as view:
-                crc = ch.recv_data_into(data, [view[:header.nbytes]])
+                crc = ch.recv_data_into(data, [view[:header.nbytes]], marks)
         except BaseException:
             self.catalogue.abort_shard(ticket)
             raise
-        committed = self.catalogue.finish_shard(ticket, crc)
+        committed = self.catalogue.finish_shard(ticket, crc, marks)
         ch.send(Kind.OK, {"committed": committed, "crc": crc})
 
     def _latest(self, ch: Channel, frame: Frame) -> None:
@@ -311,18 +314,22 @@ class MemdServer:
         body = frame.body
         offset = field_int(body, "offset", default=0)
         length = body.get("length")
-        with self.catalogue.open_shard(field_job(body), field_step(body), field_int(body, "rank", 0, 1 << 16)) \
-                as (view, crc):
+        committed_at = field_float(body, "committed_at", 0.0, 1e11) if body.get("committed_at") is not None else None
+        with self.catalogue.open_shard(field_job(body), field_step(body), field_int(body, "rank", 0, 1 << 16),
+                                       committed_at=committed_at) as (view, crc, marks):
             if offset == 0 and length is None:
                 ch.send(Kind.OK, {"nbytes": len(view), "crc": crc}, data=[view], crc=crc)
                 return
-            # A byte range: the shard's bytes were verified whole when they were stored or read from disk or
-            # the bucket; the range's own checksum, computed as it goes out, guards the transfer.
             if offset > len(view):
                 raise ProtocolError(f"offset {offset} is past the shard's {len(view)} bytes")
             length = field_int(body, "length", 0, len(view) - offset, default=len(view) - offset)
+            # A byte range from RAM carries the checksum of its bytes as they arrived, from the shard's marks
+            # (its edge blocks read and checked here): bytes changed at rest fail at the receiver. Read from
+            # disk or the bucket, the shard was verified whole just now; the range's checksum, computed as
+            # it goes out, guards the transfer.
+            range_crc = blocks.range_crc(view, marks, offset, offset + length) if marks is not None else None
             ch.send(Kind.OK, {"nbytes": len(view), "crc": crc, "offset": offset},
-                    data=[view[offset:offset + length]])
+                    data=[view[offset:offset + length]], crc=range_crc)
 
     def _wait(self, ch: Channel, frame: Frame) -> None:
         body = frame.body

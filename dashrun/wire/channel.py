@@ -32,6 +32,7 @@ from dashrun import errors
 from dashrun.errors import ProtocolError, UnavailableError
 from dashrun.util.faults import crash_point
 from dashrun.util.files import populated
+from dashrun.wire.blocks import BLOCK, Marks
 from dashrun.wire.protocol import (
     HEADER,
     MAX_BODY,
@@ -58,6 +59,7 @@ if _ntcopy is not None and not _ntcopy.STREAMING:  # built, but the CPU lacks wh
 #: Bytes moved per send/recv call for bulk data: large enough to amortise the
 #: Python overhead, small enough that the CRC of a chunk is still in cache.
 CHUNK = 1 << 20
+assert BLOCK % CHUNK == 0, "a received chunk must not cross a block's end"
 
 #: After each chunk sent to a peer on this machine, yield the CPU. Where the
 #: peer shares the sender's core (dash-agent and a local dash-memd), it then
@@ -201,33 +203,48 @@ class Channel:
         self._pending_data = header.data_len + TRAILER.size if header.data_len else 0
         return Frame(header.kind, body, header.data_len, fds)
 
-    def recv_data_into(self, frame: Frame, views: Sequence[memoryview]) -> int:
+    def recv_data_into(self, frame: Frame, views: Sequence[memoryview], marks: Marks | None = None) -> int:
         """Read the frame's data into ``views`` (their lengths must add up), verify the trailer.
 
-        Returns the data's CRC-32C. Raises ChecksumError on a mismatch.
+        Returns the data's CRC-32C. Raises ChecksumError on a mismatch. ``marks`` (emptied first) receives
+        the running CRC-32C at every block boundary of the data (see :mod:`dashrun.wire.blocks`).
         """
         if sum(len(v) for v in views) != frame.data_len:
             raise ProtocolError("receive buffers do not match the announced length")
+        if marks is not None:
+            del marks[:]
+            marks.append(0)
         if not frame.data_len:
             return 0
-        crc = 0
+        crc, received = 0, 0
         for view in views:
             # A sealed record is decrypted straight into the destination, written once, and the CRC reads it
             # back from cache: faster than landing it first (0.15 against 0.17-0.18 s per GiB here), and no
             # landing buffer per connection beside the record's.
-            if _ntcopy is not None and len(view) and self._records is None:
-                crc = self._recv_streamed(view, crc)
-                continue
-            for start in range(0, len(view), CHUNK):
-                piece = view[start:start + CHUNK]
-                self._recv_exact(piece)
-                crc = crc32c(piece, crc)
+            landed = _ntcopy is not None and len(view) and self._records is None
+            target = ctypes.c_char.from_buffer(view) if landed else None  # holds the view's buffer meanwhile
+            try:
+                start = 0
+                while start < len(view):
+                    n = min(CHUNK - received % CHUNK, len(view) - start)  # never across a block's end
+                    if landed:
+                        crc = self._recv_landed(ctypes.addressof(target) + start, n, crc)
+                    else:
+                        piece = view[start:start + n]
+                        self._recv_exact(piece)
+                        crc = crc32c(piece, crc)
+                    start += n
+                    received += n
+                    if marks is not None and (received % BLOCK == 0 or received == frame.data_len):
+                        marks.append(crc)
+            finally:
+                del target
         self._check_trailer(crc)
         return crc
 
-    def _recv_streamed(self, view: memoryview, crc: int) -> int:
-        """Receive ``view`` chunk by chunk into the landing buffer, then on with streaming stores and the CRC
-        (plaintext only: a sealed record is decrypted straight into place).
+    def _recv_landed(self, address: int, n: int, crc: int) -> int:
+        """Receive ``n`` bytes (at most CHUNK) into the landing buffer, then on to ``address`` with streaming
+        stores and the CRC (plaintext only: a sealed record is decrypted straight into place).
 
         Received straight into a large destination (dash-memd's RAM buffer), the kernel's
         copy reads every destination line before writing it, then the CRC reads the chunk
@@ -239,16 +256,8 @@ class Channel:
             buf = populated(CHUNK)
             self._landing = memoryview(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf))
         landing, landing_at = self._landing
-        target = ctypes.c_char.from_buffer(view)  # holds the view's buffer until we are done with it
-        try:
-            base = ctypes.addressof(target)
-            for start in range(0, len(view), CHUNK):
-                n = min(CHUNK, len(view) - start)
-                self._recv_exact(landing[:n])
-                crc = _ntcopy.copy_crc(base + start, landing_at, n, crc)
-        finally:
-            del target
-        return crc
+        self._recv_exact(landing[:n])
+        return _ntcopy.copy_crc(address, landing_at, n, crc)
 
     def recv_data(self, frame: Frame) -> bytes:
         buf = bytearray(frame.data_len)

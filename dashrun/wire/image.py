@@ -43,7 +43,7 @@ def fetch(client: MemdClient, info: CheckpointInfo, image: memoryview, tails: li
         client.get_shard_into(info.job, info.step, shard.rank, [
             image[shard.rep_start:shard.rep_end],
             image[tail:tail + shard.private_len + shard.meta_len],
-        ])
+        ], committed_at=info.committed_at)
         if progress:
             progress(shard.nbytes)
 

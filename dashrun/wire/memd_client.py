@@ -136,16 +136,20 @@ class MemdClient:
         return CheckpointInfo.from_body(raw)
 
     def get_shard_into(self, job: str, step: int, rank: int, views: Sequence[memoryview], *,
-                       offset: int | None = None) -> int:
+                       offset: int | None = None, committed_at: float | None = None) -> int:
         """Receive one committed shard into ``views`` (in order); returns its verified CRC-32C.
 
         With ``offset``, only the bytes from there that fill ``views`` (a byte range); the CRC returned
-        is then the range's.
+        is then the range's. With ``committed_at`` (the checkpoint's, as LATEST described it), dash-memd
+        refuses (NotFoundError) if the step has been committed again since: a restore read in several
+        requests never mixes the bytes of two attempts at one step.
         """
         length = sum(len(v) for v in views)
-        request = {"job": job, "step": step, "rank": rank}
+        request: dict[str, Any] = {"job": job, "step": step, "rank": rank}
         if offset is not None:
             request.update(offset=offset, length=length)
+        if committed_at is not None:
+            request["committed_at"] = committed_at
 
         def run(ch: Channel):
             ch.send(Kind.GET_SHARD, request)

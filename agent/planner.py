@@ -174,9 +174,9 @@ class MemdSource:
                             piece = pieces.get_nowait()
                         except queue.Empty:
                             return
-                        client.get_shard_into(info.job, info.step, piece.rank,
-                                              [image[piece.at:piece.at + piece.nbytes]], offset=piece.start,
-                                              committed_at=info.committed_at)
+                        client.get_shard_checked_into(info.job, info.step, piece.rank,
+                                                      [image[piece.at:piece.at + piece.nbytes]], offset=piece.start,
+                                                      committed_at=info.committed_at)
             except BaseException as e:  # the first failure stops every stream, and is raised
                 failures.append(e)
 

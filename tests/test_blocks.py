@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from dashrun.agent.planner import MemdSource, Planner, replicated_span
 from dashrun.errors import ChecksumError
 from dashrun.wire import blocks, channel
 from dashrun.wire.blocks import BLOCK, Marks, check_marks, range_crc, shift_block
@@ -110,29 +111,57 @@ def test_a_range_served_from_ram_reads_only_its_edge_blocks(monkeypatch):
     assert sum(read) <= 4 * BLOCK
 
 
-def test_bytes_changed_in_dash_memds_ram_fail_at_the_receiver_of_a_range(memd):
+def test_bytes_changed_in_dash_memds_ram_are_never_served_and_its_disk_copy_is_read(memd):
     """A bit flipped in dash-memd's RAM copy of a shard (written through /proc/PID/mem): a range holding that
-    block whole is refused by the reader's checksum; a range whose edge block holds it, by dash-memd itself."""
+    block whole fails the reader's check; a range with that block at its edge, dash-memd's own, which drops its
+    RAM copy: from then on the checkpoint is read from its disk copy, intact."""
     payload = os.urandom(4 * BLOCK)
     with memd.client() as client:
-        header = ShardHeader("at-rest", 1, 0, 1, len(payload), 0, len(payload), 0, 0, "ab" * 32)
-        assert client.put_shard(header, [payload])["committed"]
-        address = find_in_memory(memd.proc.pid, payload[:4096])
-        with open(f"/proc/{memd.proc.pid}/mem", "r+b", buffering=0) as mem:
-            mem.seek(address + 2 * BLOCK + 5)
-            (byte,) = mem.read(1)
-            mem.seek(address + 2 * BLOCK + 5)
-            mem.write(bytes([byte ^ 0x10]))
+        put_on_disk(client, "at-rest", payload)
+        flip_in_memory(memd.proc.pid, payload, 2 * BLOCK + 5)
         got = bytearray(2 * BLOCK)
         client.get_shard_into("at-rest", 1, 0, [memoryview(got)], offset=0)  # the blocks before it: served
         assert bytes(got) == payload[:2 * BLOCK]
-        with pytest.raises(ChecksumError):
+        with pytest.raises(ChecksumError):  # dash-memd vouched for the bytes as they arrived: the reader's check
             client.get_shard_into("at-rest", 1, 0, [memoryview(got)], offset=BLOCK)
-        with pytest.raises(ChecksumError, match="changed in RAM"):  # its edge block: read and checked
+        with pytest.raises(ChecksumError, match="changed in RAM"):  # an edge block: read and checked there
             client.get_shard_into("at-rest", 1, 0, [memoryview(got)[:BLOCK]], offset=2 * BLOCK + 7)
-        with pytest.raises(ChecksumError):  # the whole shard, as always, against its checksum at arrival
-            client.get_shard_into("at-rest", 1, 0, [memoryview(bytearray(len(payload)))])
+        whole = bytearray(len(payload))
+        client.get_shard_into("at-rest", 1, 0, [memoryview(whole)])
+        assert bytes(whole) == payload
         assert client.ping()
+    assert "the RAM copy is bad" in memd.log() and "read from disk instead" in memd.log()
+
+
+def test_a_read_that_fails_its_check_has_dash_memd_check_its_copy_and_gets_the_intact_one(memd):
+    payload = os.urandom(4 * BLOCK)
+    with memd.client() as client:
+        put_on_disk(client, "checked", payload)
+        flip_in_memory(memd.proc.pid, payload, 2 * BLOCK + 5)
+        got = bytearray(2 * BLOCK)
+        client.get_shard_checked_into("checked", 1, 0, [memoryview(got)], offset=BLOCK)
+        assert bytes(got) == payload[BLOCK:3 * BLOCK]
+        info = client.latest("checked")
+    got = bytearray(len(payload))  # and through the restore's planner, as the agent reads
+    Planner([MemdSource(memd.client)]).read(info, replicated_span(info, 0, len(payload)), memoryview(got))
+    assert bytes(got) == payload
+    assert "the RAM copy is bad" in memd.log()
+
+
+def put_on_disk(client, job: str, payload: bytes) -> None:
+    header = ShardHeader(job, 1, 0, 1, len(payload), 0, len(payload), 0, 0, "ab" * 32)
+    assert client.put_shard(header, [payload])["committed"]
+    assert client.wait(job, 1, 60, on_disk=True)
+
+
+def flip_in_memory(pid: int, payload: bytes, at: int) -> None:
+    """Flip one bit of the copy of ``payload`` in process ``pid``'s memory, ``at`` bytes into it."""
+    address = find_in_memory(pid, payload[:4096])
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        mem.seek(address + at)
+        (byte,) = mem.read(1)
+        mem.seek(address + at)
+        mem.write(bytes([byte ^ 0x10]))
 
 
 def find_in_memory(pid: int, needle: bytes) -> int:

@@ -284,3 +284,53 @@ def test_a_receive_that_finds_no_room_leaves_no_empty_entry(tmp_path):
     with pytest.raises(NoSpaceError):
         cat.begin_shard(headers(step=3, rep_total=8192)[0])
     assert cat.jobs()[0]["receiving"] == []
+
+
+def marks_of(payload: bytes):
+    from dashrun.wire.blocks import BLOCK, Marks
+    return Marks("I", [crc32c(payload[:min(j * BLOCK, len(payload))]) for j in range(-(-len(payload) // BLOCK) + 1)])
+
+
+def test_a_bad_ram_copy_held_nowhere_else_leaves_the_catalogue_once_no_one_reads_it(cat):
+    """Found changed while it was read (before the disk writer got to it): the checkpoint before it is the
+    newest from then on, and the bad copy's RAM goes back once its last reader is done."""
+    from dashrun.errors import ChecksumError
+    from dashrun.wire.blocks import range_crc
+
+    for step in (1, 2):
+        for header in headers(step=step):
+            payload = os.urandom(header.nbytes)
+            ticket = cat.begin_shard(header)
+            ticket.buffer[:header.nbytes] = payload
+            cat.finish_shard(ticket, crc32c(payload), marks_of(payload))
+    used = cat.ram.used
+    with cat.open_shard("j", 2, 1) as (view, _, marks):
+        view[10] ^= 1  # a bit flipped in RAM
+        with pytest.raises(ChecksumError) as failure:
+            range_crc(view, marks, 5, 20)
+        cat.ram_copy_failed("j", 2, 1, marks, failure.value)
+        assert cat.latest("j").step == 1 and cat.ram.used == used  # still read here: its RAM stays meanwhile
+        cat.ram_copy_failed("j", 2, 1, marks, failure.value)      # reported twice: once is enough
+    assert cat.ram.used < used
+    with pytest.raises(NotFoundError):
+        with cat.open_shard("j", 2, 0):
+            pass
+    with cat.open_shard("j", 1, 0) as (view, _, marks):
+        assert marks is not None and range_crc(view, marks, 0, len(view)) == crc32c(view)
+
+
+def test_a_bad_ram_copy_also_on_disk_is_read_from_disk(cat):
+    from dashrun.errors import ChecksumError
+
+    for header in headers(step=1):
+        deliver(cat, header)
+    cat.persist_next(timeout=0)
+    with cat.open_shard("j", 1, 0) as (view, crc, _):
+        before = bytes(view)
+    kept = cat.ledger.committed["j"][1].marks
+    kept[0] = marks_of(before)  # as PUT_SHARD keeps them (deliver() kept none)
+    cat.ram_copy_failed("j", 1, 0, kept[0], ChecksumError("a bit flipped"))
+    entry = cat.ledger.committed["j"][1]
+    assert entry.tiers == {"disk"} and not entry.buffers and cat.ram.used == 0
+    with cat.open_shard("j", 1, 0) as (view, crc2, marks):
+        assert bytes(view) == before and crc2 == crc and marks is None  # the disk copy, checked whole

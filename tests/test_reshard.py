@@ -214,7 +214,7 @@ def test_an_export_of_a_step_gone_while_it_is_read_says_so_and_lets_go_of_its_me
         def latest(self, job, step=None):
             return info
 
-        def get_shard_into(self, job, step, rank, views, offset=0, committed_at=None):
+        def get_shard_checked_into(self, job, step, rank, views, offset=0, committed_at=None):
             receiving = views  # noqa: F841 (this frame holds them, as a receive in progress does)
             raise NotFoundError(f"{job} has no committed checkpoint of step {step} with rank {rank}")
 

@@ -39,7 +39,7 @@ import mmap
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from dashrun.errors import ChecksumError, ConflictError, NoSpaceError, NotFoundError, UnavailableError
+from dashrun.errors import ChecksumError, ConflictError, DashError, NoSpaceError, NotFoundError, UnavailableError
 from dashrun.memd.disk_writer import DiskWriter
 from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
@@ -401,10 +401,30 @@ class Catalogue:
         finally:
             with self._cond:
                 entry.readers -= 1
-                if entry.readers == 0 and entry.dropped and "ram" in entry.tiers:
-                    self.ledger.release_ram(entry)
+                if entry.readers == 0 and entry.buffers and (entry.dropped or "ram" not in entry.tiers):
+                    self.ledger.release_ram(entry)  # dropped, or its RAM copy found bad, while it was read
                 elif entry.readers == 0 and not entry.dropped:
                     self.retention.trim_ram(job)
+
+    def ram_copy_failed(self, job: str, step: int, rank: int, marks: Marks, error: DashError) -> None:
+        """Bytes of rank ``rank``'s shard in the RAM copy of ``job`` step ``step`` (the copy ``marks``, as
+        :meth:`open_shard` gave them, describe) no longer match their checksums from when they arrived: the
+        copy leaves the RAM tier (its memory goes back once no one reads it) and the checkpoint is read from
+        disk or the bucket; held nowhere else, it leaves the catalogue and the one before it is served."""
+        with self._cond:
+            entry = self.ledger.committed.get(job, {}).get(step)
+            if entry is None or entry.marks.get(rank) is not marks or "ram" not in entry.tiers:
+                return  # gone or replaced meanwhile, or reported already
+            entry.tiers.discard("ram")
+            left = sorted(entry.tiers)
+            if not left:
+                self.ledger.forget(entry)
+            if entry.readers == 0:
+                self.ledger.release_ram(entry)
+            self._cond.notify_all()
+        then = (f"it is read from {', '.join(left)} instead" if left
+                else "dropped from the catalogue; the checkpoint before it is served instead")
+        log.error("%s step %d: the RAM copy is bad (%s); %s", job, step, error, then)
 
     def wait(self, job: str, step: int, timeout: float, *, on_disk: bool = False) -> bool:
         """Block until step ``step`` of ``job`` is committed (and, with ``on_disk``, on disk, or passed over by

@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from dashrun import errors
-from dashrun.errors import DashError, ProtocolError, UnavailableError
+from dashrun.errors import ChecksumError, DashError, ProtocolError, UnavailableError
 from dashrun.memd.admission import Admission, Slot
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
@@ -34,7 +34,7 @@ from dashrun.wire.auth import server_handshake
 from dashrun.wire.blocks import Marks
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
-from dashrun.wire.protocol import Kind, field_bool, field_float, field_int, field_job, field_step, field_str
+from dashrun.wire.protocol import Kind, crc32c, field_bool, field_float, field_int, field_job, field_step, field_str
 from dashrun.wire.tls import ServerTls, accept
 
 __all__ = ["LOCK_FILE", "MAX_WAIT", "MemdServer"]
@@ -315,21 +315,32 @@ class MemdServer:
         offset = field_int(body, "offset", default=0)
         length = body.get("length")
         committed_at = field_float(body, "committed_at", 0.0, 1e11) if body.get("committed_at") is not None else None
-        with self.catalogue.open_shard(field_job(body), field_step(body), field_int(body, "rank", 0, 1 << 16),
-                                       committed_at=committed_at) as (view, crc, marks):
-            if offset == 0 and length is None:
-                ch.send(Kind.OK, {"nbytes": len(view), "crc": crc}, data=[view], crc=crc)
-                return
+        verify = field_bool(body, "verify", default=False)
+        job, step, rank = field_job(body), field_step(body), field_int(body, "rank", 0, 1 << 16)
+        with self.catalogue.open_shard(job, step, rank, committed_at=committed_at) as (view, crc, marks):
+            whole = offset == 0 and length is None
             if offset > len(view):
                 raise ProtocolError(f"offset {offset} is past the shard's {len(view)} bytes")
             length = field_int(body, "length", 0, len(view) - offset, default=len(view) - offset)
-            # A byte range from RAM carries the checksum of its bytes as they arrived, from the shard's marks
-            # (its edge blocks read and checked here): bytes changed at rest fail at the receiver. Read from
-            # disk or the bucket, the shard was verified whole just now; the range's checksum, computed as
-            # it goes out, guards the transfer.
-            range_crc = blocks.range_crc(view, marks, offset, offset + length) if marks is not None else None
-            ch.send(Kind.OK, {"nbytes": len(view), "crc": crc, "offset": offset},
-                    data=[view[offset:offset + length]], crc=range_crc)
+            # The whole shard carries its checksum from when it arrived (or was checked on disk or in the bucket
+            # just now). So does a byte range from RAM, from the shard's marks (its edge blocks read and checked
+            # here): bytes changed at rest fail at the reader. A range from disk or the bucket gets a checksum
+            # computed as it goes out, which guards the transfer.
+            expected = crc if whole else None
+            if marks is not None:
+                try:
+                    if not whole:
+                        expected = blocks.range_crc(view, marks, offset, offset + length)
+                    # Asked again after the reader's check failed: the bytes themselves, all of them.
+                    if verify and crc32c(view[offset:offset + length]) != expected:
+                        raise ChecksumError(f"bytes {offset}-{offset + length} have changed in RAM since they "
+                                            "arrived")
+                except ChecksumError as e:
+                    self.catalogue.ram_copy_failed(job, step, rank, marks, e)
+                    raise ChecksumError(f"{job} step {step}, rank {rank}'s shard: {e}",
+                                        hint="read it again: it is served from disk or the bucket now") from None
+            reply = {"nbytes": len(view), "crc": crc} if whole else {"nbytes": len(view), "crc": crc, "offset": offset}
+            ch.send(Kind.OK, reply, data=[view[offset:offset + length]], crc=expected)
 
     def _wait(self, ch: Channel, frame: Frame) -> None:
         body = frame.body

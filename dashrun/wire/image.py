@@ -40,7 +40,7 @@ def fetch(client: MemdClient, info: CheckpointInfo, image: memoryview, tails: li
           progress: Callable[[int], None] | None = None) -> None:
     """Receive every shard of ``info`` into its place in ``image``; each shard's CRC-32C is verified."""
     for shard, tail in zip(info.shards, tails):
-        client.get_shard_into(info.job, info.step, shard.rank, [
+        client.get_shard_checked_into(info.job, info.step, shard.rank, [
             image[shard.rep_start:shard.rep_end],
             image[tail:tail + shard.private_len + shard.meta_len],
         ], committed_at=info.committed_at)

@@ -10,12 +10,13 @@ on it, and replaced: a client kept between uses never fails for that.
 from __future__ import annotations
 
 import base64
+import logging
 import select
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-from dashrun.errors import NotFoundError, ProtocolError, UnavailableError
+from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError
 from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import (
@@ -34,6 +35,8 @@ from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind
 from dashrun.wire.tls import TlsSettings, connect
 
 __all__ = ["MemdClient", "StoreTimeoutError"]
+
+log = logging.getLogger(__name__)
 
 
 class StoreTimeoutError(NotFoundError):
@@ -136,13 +139,15 @@ class MemdClient:
         return CheckpointInfo.from_body(raw)
 
     def get_shard_into(self, job: str, step: int, rank: int, views: Sequence[memoryview], *,
-                       offset: int | None = None, committed_at: float | None = None) -> int:
+                       offset: int | None = None, committed_at: float | None = None, verify: bool = False) -> int:
         """Receive one committed shard into ``views`` (in order); returns its verified CRC-32C.
 
         With ``offset``, only the bytes from there that fill ``views`` (a byte range); the CRC returned
         is then the range's. With ``committed_at`` (the checkpoint's, as LATEST described it), dash-memd
         refuses (NotFoundError) if the step has been committed again since: a restore read in several
-        requests never mixes the bytes of two attempts at one step.
+        requests never mixes the bytes of two attempts at one step. With ``verify``, dash-memd reads the
+        bytes of its RAM copy against their checksums from when they arrived before it sends them (see
+        :meth:`get_shard_checked_into`).
         """
         length = sum(len(v) for v in views)
         request: dict[str, Any] = {"job": job, "step": step, "rank": rank}
@@ -150,6 +155,8 @@ class MemdClient:
             request.update(offset=offset, length=length)
         if committed_at is not None:
             request["committed_at"] = committed_at
+        if verify:
+            request["verify"] = True
 
         def run(ch: Channel):
             ch.send(Kind.GET_SHARD, request)
@@ -159,6 +166,22 @@ class MemdClient:
                 raise ProtocolError(f"shard {rank} of {job} step {step} has an unexpected size")
             return ch.recv_data_into(reply, views)
         return self._request(run)
+
+    def get_shard_checked_into(self, job: str, step: int, rank: int, views: Sequence[memoryview], *,
+                               offset: int | None = None, committed_at: float | None = None) -> int:
+        """:meth:`get_shard_into`, asked again if the bytes fail their checksum here: first with ``verify``,
+        so that dash-memd checks its own copy (a copy in RAM changed since it arrived leaves the RAM tier,
+        and dash-memd says so), then once more, served from its disk or the bucket. ChecksumError if the
+        bytes still fail."""
+        for verify in (False, True, False):
+            try:
+                return self.get_shard_into(job, step, rank, views, offset=offset, committed_at=committed_at,
+                                           verify=verify)
+            except ChecksumError as e:
+                failure = e
+                log.warning("%s step %d, rank %d's shard failed its checksum (%s); reading it again", job, step,
+                            rank, e)
+        raise failure
 
     def wait(self, job: str, step: int, timeout: float, *, on_disk: bool = False) -> bool:
         """Block until the step is committed (with ``on_disk``: written to disk too); False on timeout."""

@@ -222,9 +222,9 @@ class Reader(Connected, StorageReader):
             view[:] = mapped[start:start + len(view)]
         else:
             shard = self.info.shards[where.rank]
-            self._memd().get_shard_into(self.job, self.step, where.rank, [view],
-                                        offset=shard.rep_end - shard.rep_start + where.start + offset,
-                                        committed_at=self.info.committed_at)
+            self._memd().get_shard_checked_into(self.job, self.step, where.rank, [view],
+                                                offset=shard.rep_end - shard.rep_start + where.start + offset,
+                                                committed_at=self.info.committed_at)
         self.bytes_read += len(view)
 
 

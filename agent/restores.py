@@ -3,7 +3,7 @@
 A node downloads the state once however many ranks it runs: the first
 RESTORE of a (job, step) fetches what the node's ranks need (every slice of
 the replicated state, and their own private parts; see
-:func:`dashrun.agent.planner.wanted`) through the source planner into a new
+:func:`dashrun.wire.planner.wanted`) through the source planner into a new
 memfd segment laid out as :mod:`dashrun.wire.image` says, and the node's
 other ranks are handed descriptors of the same segment; a rank whose private
 part is not in it yet has it fetched into place first. The only rank of a
@@ -32,13 +32,13 @@ import time
 from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.agent.planner import Extent, MemdSource, NodeCopy, Planner, pieces, replicated_span, wanted, widen_once
 from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError
 from dashrun.util.files import unmap
 from dashrun.wire import image
 from dashrun.wire.agent_messages import ReadRequest
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
+from dashrun.wire.planner import Extent, MemdSource, NodeCopy, Planner, pieces, replicated_span, wanted, widen_once
 
 __all__ = ["CORRUPT_FALLBACKS", "ClientPool", "Lease", "RestoreCache", "RestoreImage"]
 
@@ -167,7 +167,7 @@ class RestoreCache:
 
         The image holds the replicated state and the private parts of saved rank 0 and of ``ranks``
         (None: of every saved rank), and ``ranges`` of private parts (see
-        :func:`dashrun.agent.planner.pieces`). The caller closes the lease once it has sent the descriptor on.
+        :func:`dashrun.wire.planner.pieces`). The caller closes the lease once it has sent the descriptor on.
         With ``direct``, the replicated state is left out unless this node holds it already (the lease says).
 
         A newest checkpoint whose bytes fail their checksum (dash-memd drops

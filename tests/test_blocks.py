@@ -9,12 +9,12 @@ import threading
 
 import pytest
 
-from dashrun.agent.planner import MemdSource, Planner, replicated_span
 from dashrun.errors import ChecksumError
 from dashrun.wire import blocks, channel
 from dashrun.wire.blocks import BLOCK, Marks, check_marks, range_crc, shift_block
 from dashrun.wire.channel import Channel
 from dashrun.wire.messages import ShardHeader
+from dashrun.wire.planner import MemdSource, Planner, replicated_span
 from dashrun.wire.protocol import Kind, crc32c
 
 

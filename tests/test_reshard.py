@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dashrun.agent.planner import pieces, wanted
 from dashrun.errors import ProtocolError, UnavailableError, UsageError
 from dashrun.rank import sharded, statetree
 from dashrun.wire import image
 from dashrun.wire.agent_messages import MAX_RANGES, RestoreRequest
 from dashrun.wire.messages import CheckpointInfo, ShardHeader
+from dashrun.wire.planner import pieces, wanted
 
 
 @st.composite

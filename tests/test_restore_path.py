@@ -11,7 +11,6 @@ from conftest import wait_for
 from runs import Cursor
 from test_checkpointer import fresh_objects, same_state, save_world, trained_objects
 
-from dashrun.agent.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, replicated_span, wanted
 from dashrun.agent.restores import ClientPool
 from dashrun.errors import NotFoundError, ProtocolError, UnavailableError
 from dashrun.rank import direct
@@ -19,6 +18,7 @@ from dashrun.wire import image
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import ReadRequest, RestoreRequest
 from dashrun.wire.messages import ShardHeader
+from dashrun.wire.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, replicated_span, wanted
 from dashrun.wire.protocol import Kind
 
 LAYOUT = "ab" * 32

@@ -5,7 +5,9 @@ committed step (:func:`dashrun.dcp.metadata.parse_metadata`, every offset and
 length checked against the shards' announced sizes) and reads each item as
 byte ranges of the shard that holds it: only the bytes of the slices this
 rank's planner asks for (:func:`dashrun.rank.sharded.byte_runs`, with short
-gaps read rather than skipped), never the whole checkpoint.
+gaps read rather than skipped), never the whole checkpoint; under dashrun the
+node's dash-agent reads them, elsewhere this process, each through the
+restore's source planner (:mod:`dashrun.wire.planner`).
 :func:`describe_dcp` tells a checkpoint :class:`dashrun.dcp.Writer` wrote from
 any other, and :func:`full_state` loads the whole of one in this process, as
 ``dashrun export`` writes it.
@@ -13,13 +15,14 @@ any other, and :func:`full_state` loads the whole of one in this process, as
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import mmap
 import os
 import pickle
 import uuid
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -35,6 +38,7 @@ from dashrun.rank.staging import bytes_of
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
+from dashrun.wire.planner import MemdSource, Planner, pieces
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["MAX_GAP", "Reader", "describe_dcp", "full_state"]
@@ -220,12 +224,17 @@ class Reader(Connected, StorageReader):
             mapped, tails = self._image
             start = tails[where.rank] + where.start + offset
             view[:] = mapped[start:start + len(view)]
-        else:
-            shard = self.info.shards[where.rank]
-            self._memd().get_shard_checked_into(self.job, self.step, where.rank, [view],
-                                                offset=shard.rep_end - shard.rep_start + where.start + offset,
-                                                committed_at=self.info.committed_at)
+        else:  # through the restore's source planner, as the agent reads (dash-memd's RAM, disk or bucket)
+            start = where.start + offset
+            tails = [-start] * len(self.info.shards)  # where each saved rank's private part would begin in view
+            extents = pieces(self.info, tails, [(where.rank, start, start + len(view))])
+            Planner([MemdSource(self._lend, streams=1)]).read(self.info, extents, view)
         self.bytes_read += len(view)
+
+    @contextlib.contextmanager
+    def _lend(self) -> Iterator[MemdClient]:
+        """This reader's connection to dash-memd, for the planner's one stream (it stays open after)."""
+        yield self._memd()
 
 
 def describe_dcp(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | None:

@@ -11,8 +11,13 @@ sources; nothing else changes.
 dash-memd's ranges are read over several connections at once, in pieces of
 at most :data:`PIECE` bytes, so that receiving and decrypting one large shard
 runs on more than one core on both ends. Every piece's checksum is verified
-as it arrives; dash-memd verified the shard whole when it stored it or read
-it back from its disk or the bucket.
+as it arrives: from dash-memd's RAM it is the checksum of the bytes as they
+arrived there (:mod:`dashrun.wire.blocks`); from its disk or the bucket, the
+shard was checked whole as it was read back. A piece that fails is asked for
+again (:meth:`~dashrun.wire.memd_client.MemdClient.get_shard_checked_into`).
+
+Used by dash-agent for a node's restores, and by :class:`dashrun.dcp.Reader`
+where no agent runs.
 """
 
 from __future__ import annotations

@@ -87,6 +87,30 @@ def test_a_read_in_pieces_never_mixes_two_attempts_at_one_step(memd, agent_facto
         os.close(fd)
 
 
+def test_a_direct_read_looks_its_checkpoint_up_once_not_for_every_piece(memd, monkeypatch):
+    from dashrun.agent.config import AgentConfig
+    from dashrun.agent.restores import RestoreCache
+    from dashrun.wire.memd_client import MemdClient
+    from dashrun.wire.tls import TlsSettings
+
+    payload = os.urandom(3 << 20)
+    with memd.client() as client:
+        one_rank_checkpoint(client, "once", payload)
+        info = client.latest("once")
+    looked_up = []
+    latest = MemdClient.latest
+    monkeypatch.setattr(MemdClient, "latest", lambda self, *args: looked_up.append(args) or latest(self, *args))
+    cache = RestoreCache(AgentConfig(memd.host, memd.port, memd.token, tls=TlsSettings(plaintext=bool(memd.tls_args))))
+    try:
+        got = bytearray(len(payload))
+        for start in range(0, len(payload), 1 << 20):  # the pieces of one restore, as a rank asks for them
+            request = ReadRequest("once", 1, info.committed_at, start, start + (1 << 20), start)
+            cache.read_into(request, memoryview(got))
+    finally:
+        cache.clients.close()
+    assert bytes(got) == payload and looked_up == [("once", 1)]
+
+
 def test_a_large_shard_is_read_in_pieces_over_several_streams_into_place(memd):
     payload = os.urandom(2 * PIECE + 12345)
     with memd.client() as client:

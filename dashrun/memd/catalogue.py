@@ -401,9 +401,7 @@ class Catalogue:
         finally:
             with self._cond:
                 entry.readers -= 1
-                if entry.readers == 0 and entry.buffers and (entry.dropped or "ram" not in entry.tiers):
-                    self.ledger.release_ram(entry)  # dropped, or its RAM copy found bad, while it was read
-                elif entry.readers == 0 and not entry.dropped:
+                if entry.readers == 0 and not self.ledger.release_unwanted_ram(entry) and not entry.dropped:
                     self.retention.trim_ram(job)
 
     def ram_copy_failed(self, job: str, step: int, rank: int, marks: Marks, error: DashError) -> None:
@@ -415,15 +413,7 @@ class Catalogue:
             entry = self.ledger.committed.get(job, {}).get(step)
             if entry is None or entry.marks.get(rank) is not marks or "ram" not in entry.tiers:
                 return  # gone or replaced meanwhile, or reported already
-            entry.tiers.discard("ram")
-            left = sorted(entry.tiers)
-            if not left:
-                self.ledger.forget(entry)
-            if entry.readers == 0:
-                self.ledger.release_ram(entry)
-            self._cond.notify_all()
-        then = (f"it is read from {', '.join(left)} instead" if left
-                else "dropped from the catalogue; the checkpoint before it is served instead")
+            then = self.ledger.lose_copy(entry, "ram")
         log.error("%s step %d: the RAM copy is bad (%s); %s", job, step, error, then)
 
     def wait(self, job: str, step: int, timeout: float, *, on_disk: bool = False) -> bool:

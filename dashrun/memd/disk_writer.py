@@ -118,8 +118,8 @@ class DiskWriter:
                         self.retention.trim_ram(entry.job)
                         if self.uploader is not None:
                             self.uploader.queue_upload(entry)
-                    elif entry.readers == 0 and entry.buffers and (entry.dropped or "ram" not in entry.tiers):
-                        ledger.release_ram(entry)  # dropped, or its RAM copy found bad, while it was written
+                    else:  # dropped, or its RAM copy found bad, while it was written
+                        ledger.release_unwanted_ram(entry)
                     ledger.cond.notify_all()
             if written and not works:  # a later attempt at the step replaced it while it was being written
                 self.disk.delete(entry.job, entry.step)

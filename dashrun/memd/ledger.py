@@ -49,8 +49,27 @@ class Ledger:
         """Remove a committed entry from the catalogue; its RAM goes back once no one reads it."""
         self.committed.get(entry.job, {}).pop(entry.step, None)
         entry.dropped = True
-        if "ram" in entry.tiers and entry.readers == 0:
+        self.release_unwanted_ram(entry)
+
+    def lose_copy(self, entry: Entry, tier: str) -> str:
+        """``entry``'s copy in ``tier`` failed its checksums: it leaves that tier, and the entry leaves the
+        catalogue if no tier holds it any more. Returns what is served instead, for the log."""
+        entry.tiers.discard(tier)
+        left = sorted(entry.tiers)
+        if not left:
+            self.forget(entry)
+        self.release_unwanted_ram(entry)
+        self.cond.notify_all()
+        return (f"it is read from {', '.join(left)} instead" if left
+                else "dropped from the catalogue; the checkpoint before it is served instead")
+
+    def release_unwanted_ram(self, entry: Entry) -> bool:
+        """Give back the RAM of an entry no one reads any more, if it is dropped or its RAM copy was found
+        bad; True if it did."""
+        if entry.readers == 0 and entry.buffers and (entry.dropped or "ram" not in entry.tiers):
             self.release_ram(entry)
+            return True
+        return False
 
     def release_ram(self, entry: Entry) -> None:
         """Give an entry's RAM copy back to the RAM tier's pool."""

@@ -339,7 +339,7 @@ class MemdServer:
                     self.catalogue.ram_copy_failed(job, step, rank, marks, e)
                     raise ChecksumError(f"{job} step {step}, rank {rank}'s shard: {e}",
                                         hint="read it again: it is served from disk or the bucket now") from None
-            reply = {"nbytes": len(view), "crc": crc} if whole else {"nbytes": len(view), "crc": crc, "offset": offset}
+            reply = {"nbytes": len(view), "crc": crc, **({} if whole else {"offset": offset})}
             ch.send(Kind.OK, reply, data=[view[offset:offset + length]], crc=expected)
 
     def _wait(self, ch: Channel, frame: Frame) -> None:

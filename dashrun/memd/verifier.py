@@ -105,10 +105,5 @@ class DiskVerifier:
                 moved, why = None, f"not moved: {e.strerror or e}"
             else:
                 why = f"moved to {moved}" if moved else "its directory is gone"
-            left = sorted(entry.tiers)
-            if not left:
-                self.ledger.forget(entry)
-            cond.notify_all()
-        then = (f"it is read from {', '.join(left)} instead" if left
-                else "dropped from the catalogue; the checkpoint before it is served instead")
+            then = self.ledger.lose_copy(entry, "disk")
         log.error("%s step %d: the disk copy is bad (%s); %s; %s", entry.job, entry.step, error, why, then)

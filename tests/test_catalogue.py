@@ -334,3 +334,35 @@ def test_a_bad_ram_copy_also_on_disk_is_read_from_disk(cat):
     assert entry.tiers == {"disk"} and not entry.buffers and cat.ram.used == 0
     with cat.open_shard("j", 1, 0) as (view, crc2, marks):
         assert bytes(view) == before and crc2 == crc and marks is None  # the disk copy, checked whole
+
+
+def test_a_checkpoint_whose_ram_copy_changed_before_its_disk_write_never_reaches_the_disk(cat, caplog):
+    """The disk writer checks the bytes it writes against their checksums from when they arrived: a bit
+    flipped in RAM meanwhile leaves no copy of it on disk, trims nothing, and the one before it stays the
+    newest, whole."""
+    payloads = {}
+    for step in (1, 2, 3):
+        for header in headers(step=step):
+            payloads[(step, header.rank)] = deliver(cat, header)[1]
+        if step < 3:
+            while cat.persist_next(timeout=0):
+                pass
+    third = cat.ledger.committed["j"][3]
+    third.buffers[1][7] ^= 0x10  # a bit flipped after it arrived, before its write
+    used = cat.ram.used
+    assert cat.persist_next(timeout=0)
+    assert "step 3: not written to disk" in caplog.text and "have changed in RAM" in caplog.text
+    assert not cat.disk.step_dir("j", 3).exists()
+    assert not [p for p in cat.disk.step_dir("j", 3).parent.iterdir() if p.name.startswith(".tmp")]
+    newest = cat.latest("j")
+    assert newest.step == 2 and cat.disk.step_dir("j", 1).exists()  # keep_disk=2: nothing trimmed for it
+    with pytest.raises(NotFoundError):
+        with cat.open_shard("j", 3, 0):
+            pass
+    for rank in (0, 1):
+        with cat.open_shard("j", 2, rank) as (view, crc, _):
+            assert bytes(view) == payloads[(2, rank)] and crc == crc32c(view)
+    assert not third.buffers and cat.ram.used < used  # step 3's RAM given back
+    restarted = Catalogue(RamTier(1 << 20), DiskTier(cat.disk.root), keep_ram=2, keep_disk=2)
+    restarted.load_disk()
+    assert restarted.latest("j").step == 2

@@ -181,3 +181,21 @@ def test_the_preemption_record_round_trips_and_refuses_what_it_did_not_write():
                  '{"reason": "notice", "deadline": "x"}', "not json"):
         with pytest.raises(ValueError):
             PreemptionRecord.from_json(text)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["direct", "through-the-cache"])
+def test_write_new_hands_over_every_byte_written_once_in_order(tmp_path, aligned):
+    import mmap
+    import os
+
+    from dashrun.util.files import write_new
+
+    size = (16 << 20) + 5000  # two O_DIRECT chunks and an unaligned tail
+    buffer = mmap.mmap(-1, size + 1)  # page-aligned; one byte in, it is not
+    data = memoryview(buffer)[:size] if aligned else memoryview(buffer)[1:]
+    data[:] = os.urandom(size)
+    pieces: list[bytes] = []
+    write_new(tmp_path / "f", data, bypass_cache=True, written_piece=lambda piece: pieces.append(bytes(piece)))
+    assert b"".join(pieces) == bytes(data) == (tmp_path / "f").read_bytes()
+    data.release()
+    buffer.close()

@@ -9,7 +9,10 @@ newer checkpoint meanwhile: the writer then writes each job's newest, whose
 write lets the RAM of every older one go, instead of falling further behind
 on the older ones while the nodes wait. A failed write leaves the checkpoint
 in RAM and the previous one on disk valid; the failure is logged once and
-shown on the job until a write of that job works again.
+shown on the job until a write of that job works again. The bytes are
+checked against their checksums as they are written: a checkpoint whose RAM
+copy changed since it arrived is never put on disk: it leaves the catalogue,
+and the job's checkpoints on disk stay as they were (none is trimmed for it).
 
 Deletions (``dashrun rm``, ``gc``) and writes never cross: a step's
 directory goes into place, or is removed, only with :attr:`DiskWriter.lock`
@@ -25,6 +28,7 @@ import logging
 import queue
 import threading
 
+from dashrun.errors import ChecksumError
 from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
 from dashrun.memd.retention import Retention
@@ -96,6 +100,11 @@ class DiskWriter:
         try:
             try:
                 written = self.disk.put(entry.info, views, guard=still_wanted)
+            except ChecksumError as e:  # its RAM copy changed since it arrived: no tier holds it right any more
+                with ledger.cond:
+                    if not entry.dropped and "ram" in entry.tiers:
+                        log.error("%s step %d: not written to disk: %s; %s", entry.job, entry.step, e,
+                                  ledger.lose_copy(entry, "ram"))
             except OSError as e:
                 reason = e.strerror or str(e)
                 self.problems.problem(entry.job, reason, "%s step %d: disk write failed (%s); it stays in RAM, the "

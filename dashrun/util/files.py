@@ -11,6 +11,7 @@ import secrets
 import shutil
 import uuid
 from pathlib import Path
+from typing import Callable
 
 __all__ = ["discard_tree", "fsync_dir", "populated", "unmap", "write_atomic", "write_new"]
 
@@ -43,8 +44,13 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o600, *,
-              bypass_cache: bool = False, durable: bool = True) -> None:
+              bypass_cache: bool = False, durable: bool = True,
+              written_piece: Callable[[memoryview], object] | None = None) -> None:
     """Write a file that must not exist yet, and fsync it (not its directory) unless not ``durable``.
+
+    ``written_piece`` is called with each piece of ``data`` as soon as it is
+    written, in order, each byte once: a checksum of the bytes as they went
+    out, for data that may change in memory meanwhile.
 
     ``bypass_cache`` writes the block-aligned bulk with O_DIRECT, for callers
     that keep the bytes in RAM themselves: through the page cache they would
@@ -55,16 +61,23 @@ def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o6
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data).cast("B")
-        written = _write_direct(fd, view[:len(view) - len(view) % _BLOCK]) if bypass_cache else 0
+        each = written_piece or _ignore
+        written = _write_direct(fd, view[:len(view) - len(view) % _BLOCK], each) if bypass_cache else 0
         while written < len(view):
-            written += os.write(fd, view[written:written + _CHUNK])
+            n = os.write(fd, view[written:written + _CHUNK])
+            each(view[written:written + n])
+            written += n
         if durable:
             os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_direct(fd: int, view: memoryview) -> int:
+def _ignore(piece: memoryview) -> None:
+    pass
+
+
+def _write_direct(fd: int, view: memoryview, each: Callable[[memoryview], object]) -> int:
     """Write block-aligned ``view`` at the start of ``fd`` with O_DIRECT; returns the bytes written that way."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
@@ -75,7 +88,9 @@ def _write_direct(fd: int, view: memoryview) -> int:
     try:
         # An unaligned buffer (bytes, say) fails with EINVAL before anything is written; what is left goes buffered.
         while written < len(view):
-            written += os.write(fd, view[written:written + _CHUNK])
+            n = os.write(fd, view[written:written + _CHUNK])
+            each(view[written:written + n])
+            written += n
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

@@ -5,7 +5,9 @@ Durability is ``fsync always``: a checkpoint it lists has been fsynced
 loses at most the checkpoint being written. A new attempt at a step already
 on disk is swapped in with one ``renameat2(RENAME_EXCHANGE)``, so the step's
 directory always exists complete. Bytes are checked against their CRC-32C as
-they are read; a copy that fails is moved under ``quarantine/``, never deleted.
+they are written (a copy whose bytes changed in RAM since they arrived is
+never renamed into place) and as they are read; a copy that fails then is
+moved under ``quarantine/``, never deleted.
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ def file_crc(path: Path) -> int:
         while n := f.readinto(view):
             crc = crc32c(view[:n], crc)
     return crc
+
+
+def _write_shard(path: Path, data: memoryview, shard: ShardHeader) -> None:
+    """Write a shard's file, checking the bytes as they are written against the shard's CRC-32C from when
+    it arrived: RAM that changed since (a bit flipped) raises ChecksumError, and the caller discards the copy."""
+    crc = 0
+
+    def written(piece: memoryview) -> None:
+        nonlocal crc
+        crc = crc32c(piece, crc)
+
+    write_new(path, data, bypass_cache=True, written_piece=written)
+    if crc != shard.crc:
+        raise ChecksumError(f"{shard.job} step {shard.step} rank {shard.rank}'s bytes have changed in RAM since "
+                            "they arrived")
 
 
 def _fd_crc(fd: int, offset: int, end: int, crc: int = 0) -> int:
@@ -144,7 +161,7 @@ class DiskTier(Tier):
         tmp.mkdir()
         try:
             for shard, data in zip(info.shards, shards, strict=True):
-                write_new(tmp / f"rank-{shard.rank:05d}.bin", data[:shard.nbytes], bypass_cache=True)
+                _write_shard(tmp / f"rank-{shard.rank:05d}.bin", data[:shard.nbytes], shard)
                 crash_point("disk.mid_write", job=info.job, step=info.step)
             manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "checkpoint": info.to_body()}
             write_new(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())

@@ -19,6 +19,10 @@ allocated and touched, its optimizer without state yet:
   state piece by piece into a few reused buffers and copies it into its
   tensors; and as the first rank of a node of two (**2-rank node**): the
   agent fetches it into an image for both, the rank loads it from there;
+* **DCP load, dashrun.dcp.Reader** — the same ``dcp.load``, of a ``dcp.save``
+  through ``dashrun.dcp.Writer`` (a job of its own), read from dash-memd's RAM
+  by ``dashrun.dcp.Reader`` in the restoring process, with no dash-agent (TLS,
+  and ``--no-tls``);
 * **dashrun, this node** — the same, when the node already holds the image
   (another local rank fetched it, or the agent fetched it ahead as it started);
 * **dashrun, dash-memd disk** — dash-memd restarted before the round, so that it
@@ -107,6 +111,7 @@ class Stack:
         self.listen = "127.0.0.1:0"
         self.memd = self.agent = None
         self.job = "restore-plain" if plaintext else "restore"
+        self.dcp_job = f"{self.job}-dcp"
 
     def start_memd(self) -> None:
         ready = self.dir / "memd.ready"
@@ -187,6 +192,7 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import dashrun
+    import dashrun.dcp as ddcp
 
     train_core, side_core = cores
     model, optimizer, batch, described = bench.build_model(size)
@@ -215,6 +221,9 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
     dcp_dir = workdir / "dcp"
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(dcp_dir))
+    for stack in stacks:  # the same through dash-memd: DCP's own save with dashrun.dcp.Writer, as another job
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=step, no_dist=True,
+                 storage_writer=ddcp.Writer(stack.dcp_job, stack.listen, stack.token_file, tls=stack.tls))
     del model_sd, optim_sd
 
     def torch_load(mmap: bool):
@@ -228,6 +237,16 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
         dcp.load(state, checkpoint_id=str(dcp_dir))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
+    def dcp_reader_load(stack: Stack):
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        reader = ddcp.Reader(stack.dcp_job, memd=stack.listen, token_file=stack.token_file, tls=stack.tls)
+        try:
+            dcp.load(state, checkpoint_id=step, storage_reader=reader, no_dist=True)
+        finally:
+            reader.close()
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def restore(stack: Stack, local_world: int = 1):
         with stack.rank(local_world):
             ckpt = dashrun.Checkpointer(model=model, optimizer=optimizer, interval=10**9)
@@ -239,8 +258,11 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
 
     def relaunched() -> None:
         """As in a relaunched rank: the model built (its parameters touched), the optimizer without state yet
-        (an earlier way's is let go, and with it the memory it held)."""
+        and no gradients (an earlier way's are let go, and with them the memory they held). DCP's load then
+        gives the optimizer its state first, as in a new process (``get_state_dict`` steps it with zero
+        gradients: it has nothing to load into otherwise, and would load the model alone)."""
         optimizer.state.clear()
+        optimizer.zero_grad(set_to_none=True)
         gc.collect()
 
     times: dict[str, list[tuple[float, dict[str, float]]]] = {}
@@ -259,6 +281,9 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
             times.setdefault(f"{label}, dash-memd RAM, 2-rank node", []).append(
                 timed(lambda: restore(stack, 2), relaunched, stack))
             times.setdefault(f"{label}, this node", []).append(timed(lambda: restore(stack, 2), relaunched, stack))
+            # DCP's own load, from dash-memd's RAM through dashrun.dcp.Reader in this process (no dash-agent).
+            times.setdefault(f"DCP load, dashrun.dcp.Reader{label[7:]}", []).append(
+                timed(lambda: dcp_reader_load(stack), relaunched, stack))
     for stack in stacks:  # from disk: dash-memd restarted before each round holds nothing in RAM
         label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
         for _ in range(rounds):

@@ -136,6 +136,40 @@ def test_newest_step_and_export_state(memd, tmp_path):
                   torch.load(tmp_path / "cli.pt", weights_only=True))
 
 
+def test_a_tensor_the_load_already_has_is_read_straight_into_its_memory(memd, monkeypatch):
+    """The bytes of a stored chunk land in the tensor DCP loads into when its memory is theirs (same dtype and
+    shape, dense, in RAM); otherwise (another dtype, a column slice) through a buffer, converted as copy_ does."""
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(64, 48, generator=g), "rows": torch.randn(32, 16, generator=g),
+             "cast": torch.randn(40, generator=g)}
+    dcp.save(state, checkpoint_id=4, storage_writer=_writer(memd, "dcp-inplace"), no_dist=True)
+    loaded = {"w": torch.zeros(64, 48), "rows": torch.zeros(32, 16), "cast": torch.zeros(40, dtype=torch.float64)}
+    versions = {key: t._version for key, t in loaded.items()}
+    landed: list[int] = []
+    read = ddcp.Reader._read
+
+    def spy(self, where, offset, view):
+        landed.append(torch.frombuffer(view, dtype=torch.uint8).data_ptr() if len(view) else 0)
+        return read(self, where, offset, view)
+
+    monkeypatch.setattr(ddcp.Reader, "_read", spy)
+    reader = _reader(memd, "dcp-inplace")
+    dcp.load(loaded, checkpoint_id=4, storage_reader=reader, no_dist=True)
+    reader.close()
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["rows"], state["rows"])
+    assert torch.equal(loaded["cast"], state["cast"].double())
+    assert loaded["w"].data_ptr() in landed and loaded["rows"].data_ptr() in landed
+    assert loaded["cast"].data_ptr() not in landed  # another dtype: read into a buffer, converted
+    assert all(t._version > versions[key] for key, t in loaded.items())  # marked changed, as copy_() marks it
+    # A tensor whose memory does not hold its elements in order (a transposed view): through a buffer too.
+    landed.clear()
+    strided = {"w": torch.zeros(48, 64).t()}
+    reader = _reader(memd, "dcp-inplace")
+    dcp.load(strided, checkpoint_id=4, storage_reader=reader, no_dist=True)
+    reader.close()
+    assert torch.equal(strided["w"], state["w"]) and strided["w"].data_ptr() not in landed
+
+
 class _Planted:
     """A value whose unpickling would create a file: what a writer into dash-memd's disk could plant."""
 

@@ -25,6 +25,7 @@ import uuid
 from typing import Any, Iterator, Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -181,21 +182,34 @@ class Reader(Connected, StorageReader):
                 planner.load_bytes(item, io.BytesIO(data))
                 continue
             md = self.metadata.state_dict_metadata[item.storage_index.fqn]
-            tensor = self._read_slice(where, md, item.storage_index.offset, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
-            if target.size() != tensor.size():
-                raise UsageError(f"{item.storage_index.fqn}: the checkpoint's slice has shape {tuple(tensor.size())},"
-                                 f" the tensor to load it into {tuple(target.size())}")
-            target.copy_(tensor)
+            tensor = self._read_slice(where, md, item.storage_index.offset, item.storage_offsets, item.lengths,
+                                      into=target)
+            if tensor is not target:
+                if target.size() != tensor.size():
+                    raise UsageError(f"{item.storage_index.fqn}: the checkpoint's slice has shape "
+                                     f"{tuple(tensor.size())}, the tensor to load it into {tuple(target.size())}")
+                target.copy_(tensor)
             planner.commit_tensor(item, target)
 
     def _read_slice(self, where: Where, md: TensorStorageMetadata, chunk_offsets: Sequence[int],
-                    offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-        """The slice ``offsets``/``lengths`` of the stored chunk at ``chunk_offsets``: only its bytes are read."""
+                    offsets: Sequence[int], lengths: Sequence[int], into: torch.Tensor | None = None) -> torch.Tensor:
+        """The slice ``offsets``/``lengths`` of the stored chunk at ``chunk_offsets``: only its bytes are read.
+
+        Read straight into ``into`` (and ``into`` returned) where its bytes are the slice's, in order: a tensor
+        in RAM of the slice's dtype and shape, dense, and the slice one run of the stored chunk (a whole
+        chunk, or whole rows of it). A rank's tensors have their memory already; a new tensor to read into
+        and copy from would cost fresh memory, more than the bytes' transfer on a small machine."""
         sizes, windows = self._windows(md, chunk_offsets, offsets, lengths)
         dtype = md.properties.dtype
         if not windows:
             return torch.empty(tuple(lengths), dtype=dtype)
+        if (into is not None and len(windows) == 1 and into.device.type == "cpu" and into.dtype == dtype
+                and into.layout == torch.strided and into.is_contiguous() and list(into.size()) == list(lengths)
+                and windows[0][1] - windows[0][0] == into.numel() * into.element_size()):
+            self._read(where, windows[0][0], bytes_of(into.reshape(-1).view(torch.uint8)))
+            increment_version(into)  # written behind autograd's back: as copy_() would, mark it changed
+            return into
         first = windows[0][0]
         span = torch.empty(windows[-1][1] - first, dtype=torch.uint8)
         for start, end in windows:

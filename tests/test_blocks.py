@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -131,6 +133,10 @@ def test_bytes_changed_in_dash_memds_ram_are_never_served_and_its_disk_copy_is_r
         assert bytes(whole) == payload
         assert client.ping()
     assert "the RAM copy is bad" in memd.log() and "read from disk instead" in memd.log()
+    status = subprocess.run([sys.executable, "-m", "dashrun", "status", "--memd", memd.address, "--token-file",
+                             str(memd.token_file), *memd.tls_args], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "at-rest: 1 RAM copy changed in dash-memd's memory" in " ".join(status.stdout.split())
 
 
 def test_a_read_that_fails_its_check_has_dash_memd_check_its_copy_and_gets_the_intact_one(memd):

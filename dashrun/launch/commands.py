@@ -217,6 +217,11 @@ def _print_jobs(jobs: list[dict]) -> None:
             copies = "1 disk copy" if job["quarantined"] == 1 else f"{job['quarantined']} disk copies"
             console.print(f"[yellow]{escape(job['job'])}: {copies} failed their checksum, moved to quarantine/ in "
                           "dash-memd's data dir[/]", highlight=False)
+        if job.get("bad_ram"):
+            copies = "1 RAM copy" if job["bad_ram"] == 1 else f"{job['bad_ram']} RAM copies"
+            console.print(f"[red]{escape(job['job'])}: {copies} changed in dash-memd's memory after arriving (dropped;"
+                          " read from disk or the checkpoint before): its machine's memory may be failing[/]",
+                          highlight=False)
 
 
 @cli.command(name="ls")

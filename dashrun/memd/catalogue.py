@@ -331,6 +331,7 @@ class Catalogue:
                     ledger.specs.pop(job, None)
                     self._nodes.pop(job, None)
                     self._notices.pop(job, None)
+                    ledger.bad_ram.pop(job, None)
                     self.disk_writer.forget_job(job)
                 if not steps:
                     ledger.committed.pop(job, None)
@@ -450,6 +451,7 @@ class Catalogue:
             "disk_error": self.disk_writer.failure(job),
             "object_error": self.uploader.failure(job) if self.uploader is not None else None,
             "quarantined": self.disk.quarantined.get(job, 0),
+            "bad_ram": self.ledger.bad_ram.get(job, 0),
             "nodes": self._nodes.get(job, {}),
             "spec": spec.to_body() if spec else None,
             "notice": self._notices.get(job),

@@ -35,6 +35,8 @@ class Ledger:
         #: Receives waiting for RAM to come free, oldest first: only the oldest may take what comes free, so
         #: that no node's shards wait while others' keep getting through (see Retention.reserve).
         self.room_waiters: collections.deque[object] = collections.deque()
+        #: RAM copies found changed since they arrived, per job, since dash-memd started: its memory may be failing.
+        self.bad_ram: dict[str, int] = {}
 
     def drop_receiving(self, entry: Entry) -> None:
         """Abandon a checkpoint still being received and free what of it arrived."""
@@ -55,6 +57,8 @@ class Ledger:
         """``entry``'s copy in ``tier`` failed its checksums: it leaves that tier, and the entry leaves the
         catalogue if no tier holds it any more. Returns what is served instead, for the log."""
         entry.tiers.discard(tier)
+        if tier == "ram":
+            self.bad_ram[entry.job] = self.bad_ram.get(entry.job, 0) + 1
         left = sorted(entry.tiers)
         if not left:
             self.forget(entry)

@@ -49,6 +49,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -167,26 +168,33 @@ def cpu_seconds(stack: Stack | None) -> dict[str, float]:
     return used
 
 
-def timed(fn, before=None, stack: Stack | None = None) -> tuple[float, dict[str, float]]:
-    """(seconds ``fn()`` took, the CPU seconds each process spent meanwhile)."""
+def timed(fn, before=None, stack: Stack | None = None, after=None) -> tuple[float, dict[str, float], float | None]:
+    """(seconds ``fn()`` took, the CPU seconds each process spent meanwhile, seconds ``after()`` took then)."""
     if before is not None:
         before()
     cpu = cpu_seconds(stack)
     started = time.perf_counter()
     fn()
     took = time.perf_counter() - started
-    return took, {label: used - cpu[label] for label, used in cpu_seconds(stack).items()}
+    used = {label: used - cpu[label] for label, used in cpu_seconds(stack).items()}
+    if after is None:
+        return took, used, None
+    started = time.perf_counter()
+    after()
+    return took, used, time.perf_counter() - started
 
 
-def summary(rounds: list[tuple[float, dict[str, float]]], nbytes: int) -> dict:
-    times = [took for took, _ in rounds]
-    cpu = {label: statistics.median(used[label] for _, used in rounds) for label in rounds[0][1]}
+def summary(rounds: list[tuple[float, dict[str, float], float | None]], nbytes: int) -> dict:
+    times = [took for took, _, _ in rounds]
+    cpu = {label: statistics.median(used[label] for _, used, _ in rounds) for label in rounds[0][1]}
+    first = [step for _, _, step in rounds if step is not None]
     return {"times_s": times, "best_s": min(times), "median_s": statistics.median(times),
-            "bandwidth": nbytes / min(times), "cpu_s": cpu}
+            "bandwidth": nbytes / min(times), "cpu_s": cpu,
+            **({"first_step_s": statistics.median(first), "first_steps_s": first} if first else {})}
 
 
 def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, cores: tuple[int, int],
-                 plain: bool) -> dict:
+                 plain: bool, first_step: bool = False) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -265,30 +273,36 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
 
-    times: dict[str, list[tuple[float, dict[str, float]]]] = {}
+    # The first training step after a restore, timed apart (--first-step): a restore that maps state
+    # copy-on-write (mmap=True, this node's image) leaves the copying of the optimizer's pages to it.
+    step_after = bench.Trainer(model, optimizer, batch).step if first_step else None
+
+    way = functools.partial(timed, after=step_after)
+
+    times: dict[str, list[tuple[float, dict[str, float], float | None]]] = {}
     ways = {"torch.load": lambda: torch_load(False), "torch.load(mmap=True)": lambda: torch_load(True),
             "DCP load": dcp_load}
     for _ in range(rounds + 1):  # the first round warms up (page cache, buffers)
         for name, fn in ways.items():
-            times.setdefault(name, []).append(timed(fn, relaunched))
+            times.setdefault(name, []).append(way(fn, relaunched))
         for stack in stacks:
             label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
             # A node of one rank reads the state from dash-memd's RAM straight into its tensors.
             times.setdefault(f"{label}, dash-memd RAM", []).append(
-                timed(lambda: restore(stack, 1), relaunched, stack))
+                way(lambda: restore(stack, 1), relaunched, stack))
             # A node of two ranks: the first restore fetches the image from dash-memd's RAM, the second is
             # served the image this node holds.
             times.setdefault(f"{label}, dash-memd RAM, 2-rank node", []).append(
-                timed(lambda: restore(stack, 2), relaunched, stack))
-            times.setdefault(f"{label}, this node", []).append(timed(lambda: restore(stack, 2), relaunched, stack))
+                way(lambda: restore(stack, 2), relaunched, stack))
+            times.setdefault(f"{label}, this node", []).append(way(lambda: restore(stack, 2), relaunched, stack))
             # DCP's own load, from dash-memd's RAM through dashrun.dcp.Reader in this process (no dash-agent).
             times.setdefault(f"DCP load, dashrun.dcp.Reader{label[7:]}", []).append(
-                timed(lambda: dcp_reader_load(stack), relaunched, stack))
+                way(lambda: dcp_reader_load(stack), relaunched, stack))
     for stack in stacks:  # from disk: dash-memd restarted before each round holds nothing in RAM
         label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
         for _ in range(rounds):
             stack.restart_memd()
-            times.setdefault(f"{label}, dash-memd disk", []).append(timed(lambda: restore(stack), relaunched, stack))
+            times.setdefault(f"{label}, dash-memd disk", []).append(way(lambda: restore(stack), relaunched, stack))
     times = {name: t[1:] if len(t) > rounds else t for name, t in times.items()}
     loopback = bench.measure_loopback(nbytes, side_core, procs)
     return {"state_bytes": described["state_bytes"], "checkpoint_bytes": nbytes, "model": described,
@@ -335,11 +349,14 @@ def report(results: list[dict], machine: dict) -> None:
         nbytes = r["checkpoint_bytes"]
         limit = r["loopback"]["time_s"]
         print(f"\nstate {nbytes / MiB:.0f} MiB; loopback TCP limit {limit:.3f} s ({nbytes / limit / GiB:.2f} GiB/s)")
-        print(f"  {'way':46} {'best s':>8} {'median s':>9} {'GiB/s':>7} {'x limit':>8} {'x torch.load':>13}")
+        first = "first_step_s" in r["ways"]["torch.load"]
+        print(f"  {'way':46} {'best s':>8} {'median s':>9} {'GiB/s':>7} {'x limit':>8} {'x torch.load':>13}"
+              + (f" {'1st step s':>11} {'both s':>7}" if first else ""))
         base = r["ways"]["torch.load"]["median_s"]
         for name, w in r["ways"].items():
             print(f"  {name:46} {w['best_s']:8.3f} {w['median_s']:9.3f} {nbytes / w['best_s'] / GiB:7.2f} "
-                  f"{w['median_s'] / limit:8.2f} {w['median_s'] / base:13.2f}")
+                  f"{w['median_s'] / limit:8.2f} {w['median_s'] / base:13.2f}"
+                  + (f" {w['first_step_s']:11.3f} {w['median_s'] + w['first_step_s']:7.3f}" if first else ""))
         print(f"  CPU seconds per restore (medians; the machine has {os.cpu_count()} CPUs)")
         print(f"  {'way':46} {'dash-memd':>10} {'dash-agent':>11} {'restoring':>10} {'all':>6} {'all / wall':>11}")
         for name, w in r["ways"].items():
@@ -359,13 +376,13 @@ def report(results: list[dict], machine: dict) -> None:
 
 
 def measure(sizes: list[int], rounds: int, procs: bench.Processes, cores: tuple[int, int], *, plain: bool,
-            relaunch_rounds: int = 0) -> list[dict]:
+            relaunch_rounds: int = 0, first_step: bool = False) -> list[dict]:
     """Every way of restoring at each state size (and the relaunch at the first), in scratch directories."""
     results = []
     for index, size in enumerate(sizes):
         workdir = Path(tempfile.mkdtemp(prefix=f"bench-restore-{size // MiB}-"))
         try:
-            result = measure_size(size, rounds, workdir, procs, cores, plain)
+            result = measure_size(size, rounds, workdir, procs, cores, plain, first_step)
             if index == 0 and relaunch_rounds:
                 result["relaunch"] = measure_relaunch(result, size, relaunch_rounds, workdir, cores[0])
             result.pop("_stacks"), result.pop("_path")
@@ -382,6 +399,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--relaunch-rounds", type=int, default=3, help="0: skip the relaunch comparison")
     parser.add_argument("--no-plain", action="store_true", help="skip the --no-tls rows")
+    parser.add_argument("--first-step", action="store_true",
+                        help="also time the first training step after each restore (what copy-on-write left to it)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -394,7 +413,8 @@ def main() -> None:
     procs = bench.Processes()
     try:
         results = measure([int(s) * MiB for s in args.sizes_mib.split(",")], args.rounds, procs,
-                          (train_core, side_core), plain=not args.no_plain, relaunch_rounds=args.relaunch_rounds)
+                          (train_core, side_core), plain=not args.no_plain, relaunch_rounds=args.relaunch_rounds,
+                          first_step=args.first_step)
     finally:
         procs.stop_all()
     report(results, machine)

@@ -142,3 +142,19 @@ def test_memd_checks_its_disk_after_it_listens_and_status_shows_what_it_quaranti
                              str(memd.token_file)], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     assert "job-a: 1 disk copy failed their checksum" in " ".join(status.stdout.split())
+
+
+@pytest.mark.slow
+def test_a_disk_copy_that_rotted_before_its_upload_is_quarantined_not_uploaded_again_and_again(s3_bucket, tmp_path):
+    """The uploader reads the disk copy: bytes that no longer match their checksum never go up, and the copy is
+    quarantined (as a read would), not retried forever; the checkpoint is served from RAM meanwhile."""
+    cat = make_catalogue(tmp_path, s3_bucket.url())
+    drain(cat)
+    payloads = [deliver(cat, header)[1] for header in headers("j", 1, rep_total=64 << 10)]
+    assert cat.persist_next(timeout=5)                      # on disk now, its upload queued
+    flip_byte(shard_file(cat.disk, "j", 1, 1))              # rotted on disk before the uploader read it
+    drain(cat)
+    summary = cat.jobs()[0]
+    assert summary["quarantined"] == 1 and summary["newest"]["tiers"] == ["ram"]
+    assert not summary["object_error"] and not [k for k in s3_bucket.keys() if "/j/" in k]
+    assert read(cat, "j", 1, 1) == payloads[1]              # from its RAM copy, intact

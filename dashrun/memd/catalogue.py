@@ -86,6 +86,8 @@ class Catalogue:
                          if objects is not None else None)
         self.disk_writer = DiskWriter(self.ledger, disk, self.retention, self.uploader)
         self.verifier = DiskVerifier(self.ledger, disk, self.disk_writer.lock)
+        if self.uploader is not None:
+            self.uploader.disk_copy_failed = self.verifier.failed
         self._cond = self.ledger.cond
         self._nodes: dict[str, dict[str, float]] = {}  # job -> node -> when it last sent a shard
         self._notices: dict[str, dict] = {}            # job -> the last interruption notice a node reported

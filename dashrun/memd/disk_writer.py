@@ -28,11 +28,11 @@ import logging
 import queue
 import threading
 
-from dashrun.errors import ChecksumError
 from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
 from dashrun.memd.retention import Retention
 from dashrun.memd.tiers import DiskTier
+from dashrun.memd.tiers.base import SourceChanged
 from dashrun.memd.uploader import Uploader
 from dashrun.util.problems import ProblemLog
 
@@ -100,7 +100,7 @@ class DiskWriter:
         try:
             try:
                 written = self.disk.put(entry.info, views, guard=still_wanted)
-            except ChecksumError as e:  # its RAM copy changed since it arrived: no tier holds it right any more
+            except SourceChanged as e:  # its RAM copy changed since it arrived: no tier holds it right any more
                 with ledger.cond:
                     if not entry.dropped and "ram" in entry.tiers:
                         log.error("%s step %d: not written to disk: %s; %s", entry.job, entry.step, e,

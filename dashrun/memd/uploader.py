@@ -5,7 +5,9 @@ slow store never pins RAM), the job's launch spec, and the deletions of
 retention, in order. Uploads are bounded: a newer checkpoint of a job
 supersedes its queued older ones, and a full queue drops its oldest upload. A
 failed task is retried with backoff, forever, while it is still wanted; the
-failure is shown on the job. Before any task, the bucket is listed once
+failure is shown on the job. A disk copy whose bytes no longer match their
+checksums is not retried: it is quarantined as the disk verifier does (the
+checkpoint keeps its RAM copy, or leaves the catalogue). Before any task, the bucket is listed once
 (:meth:`Uploader.load_objects`): until then, a job unknown here may be held
 there.
 
@@ -30,13 +32,14 @@ import logging
 import mmap
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from dashrun.errors import ChecksumError, DashError, NotFoundError
 from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
 from dashrun.memd.retention import Retention
 from dashrun.memd.tiers import DiskTier
+from dashrun.memd.tiers.base import SourceChanged
 from dashrun.memd.tombstones import TOMBSTONES, Tombstone, Tombstones
 from dashrun.util.problems import ProblemLog
 from dashrun.util.retry import Backoff
@@ -86,6 +89,8 @@ class Uploader:
         self.closing = threading.Event()
         #: Deletions the bucket has not caught up with; those left by the last run are purged again.
         self.tombstones = Tombstones(disk.root / TOMBSTONES)
+        #: What to do with a disk copy found bad as it went up (the catalogue's verifier quarantines it).
+        self.disk_copy_failed: Callable[[Entry, DashError], None] = lambda entry, error: None
         self.tasks.extend(ObjectTask("purge", t.job, tombstone=t) for t in self.tombstones.records())
 
     def close(self) -> None:
@@ -328,8 +333,16 @@ class Uploader:
             except NotFoundError:
                 return
             started = time.monotonic()
-            self.objects.put(entry.info, views)
+            try:
+                self.objects.put(entry.info, views)
+            except SourceChanged as e:
+                changed = e
+            else:
+                changed = None
             elapsed = time.monotonic() - started
+        if changed is not None:  # the disk copy no longer holds what was committed: quarantined, not uploaded
+            self.disk_copy_failed(entry, changed)
+            return
         with cond:
             if entry.dropped:  # deleted while it went up
                 self.queue_delete(entry.job, entry.step)

@@ -13,9 +13,10 @@ import contextlib
 import logging
 from typing import Sequence
 
+from dashrun.errors import ChecksumError
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "SPEC", "Tier"]
+__all__ = ["MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "SPEC", "SourceChanged", "Tier"]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,11 @@ MANIFEST_FORMAT = "dashrun-checkpoint"
 MANIFEST_VERSION = 1
 
 
+class SourceChanged(ChecksumError):
+    """The bytes handed to :meth:`Tier.put` no longer match the checksums they were committed with: the copy
+    they were read from (a RAM buffer, a disk file) has changed since, and is bad."""
+
+
 class Tier(abc.ABC):
     """A place that holds committed checkpoints."""
 
@@ -32,7 +38,8 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def put(self, info: CheckpointInfo, shards: Sequence[memoryview]) -> None:
-        """Store a committed checkpoint; ``shards[r]`` is rank r's bytes, whose CRC is in ``info``."""
+        """Store a committed checkpoint; ``shards[r]`` is rank r's bytes, whose CRC is in ``info``. Raises
+        SourceChanged, storing nothing, if they do not match it."""
 
     @abc.abstractmethod
     def open(self, job: str, step: int, rank: int) -> contextlib.AbstractContextManager[memoryview]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError
-from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
+from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.faults import crash_point
 from dashrun.util.files import discard_tree, fsync_dir, unmap, write_atomic, write_new
@@ -59,7 +59,7 @@ def file_crc(path: Path) -> int:
 
 def _write_shard(path: Path, data: memoryview, shard: ShardHeader) -> None:
     """Write a shard's file, checking the bytes as they are written against the shard's CRC-32C from when
-    it arrived: RAM that changed since (a bit flipped) raises ChecksumError, and the caller discards the copy."""
+    it arrived: RAM that changed since (a bit flipped) raises SourceChanged, and the caller discards the copy."""
     crc = 0
 
     def written(piece: memoryview) -> None:
@@ -68,7 +68,7 @@ def _write_shard(path: Path, data: memoryview, shard: ShardHeader) -> None:
 
     write_new(path, data, bypass_cache=True, written_piece=written)
     if crc != shard.crc:
-        raise ChecksumError(f"{shard.job} step {shard.step} rank {shard.rank}'s bytes have changed in RAM since "
+        raise SourceChanged(f"{shard.job} step {shard.step} rank {shard.rank}'s bytes have changed in RAM since "
                             "they arrived")
 
 

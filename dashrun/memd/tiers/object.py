@@ -62,7 +62,7 @@ from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError, UsageError
 from dashrun.memd.tiers import s3
-from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
+from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.retry import Backoff, retry
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
@@ -139,7 +139,7 @@ class ObjectTier(Tier):
         views = [memoryview(data).cast("B")[:shard.nbytes] for shard, data in zip(info.shards, shards)]
         for shard, view in zip(info.shards, views):  # the manifest must tell the truth about what goes up
             if len(view) != shard.nbytes or crc32c(view) != shard.crc:
-                raise ChecksumError(f"{info.job} step {info.step} rank {shard.rank}: bytes do not match their CRC")
+                raise SourceChanged(f"{info.job} step {info.step} rank {shard.rank}: bytes do not match their CRC")
         step_key = self.step_key(info.job, info.step)
         manifest_key = f"{step_key}/{MANIFEST}"
         started = time.monotonic()

@@ -113,6 +113,18 @@ class TierConformance:
                 pass
         tier.delete(info.job, info.step)  # deleting again is a no-op
 
+    def test_bytes_that_no_longer_match_their_checksum_are_refused_and_nothing_is_stored(self, tier):
+        from dashrun.memd.tiers.base import SourceChanged
+
+        kept, kept_data = make_checkpoint(step=1)
+        tier.put(kept, [memoryview(d) for d in kept_data])
+        info, data = make_checkpoint(step=2)
+        data = [bytearray(d) for d in data]
+        data[1][len(data[1]) // 2] ^= 0x01  # changed where they were kept since they were committed
+        with pytest.raises(SourceChanged):
+            tier.put(info, [memoryview(d) for d in data])
+        assert [(i.job, i.step) for i in tier.scan()] == [(kept.job, kept.step)]
+
     def test_missing_is_not_found(self, tier):
         with pytest.raises(NotFoundError):
             with tier.open("nothing", 1, 0):

@@ -10,10 +10,11 @@ import threading
 from typing import Iterator, Sequence
 
 from dashrun.errors import NoSpaceError, NotFoundError
-from dashrun.memd.tiers.base import Tier
+from dashrun.memd.tiers.base import SourceChanged, Tier
 from dashrun.util.files import populated
 from dashrun.util.units import format_size
 from dashrun.wire.messages import CheckpointInfo
+from dashrun.wire.protocol import crc32c
 
 __all__ = ["RamTier"]
 
@@ -137,6 +138,9 @@ class RamTier(Tier):
                 buffers.append(buf)
                 with memoryview(buf) as view:
                     view[:shard.nbytes] = data
+                    if crc32c(view[:shard.nbytes]) != shard.crc:
+                        raise SourceChanged(f"{info.job} step {info.step} rank {shard.rank}: bytes do not match "
+                                            "their CRC")
         except BaseException:
             for buf in buffers:
                 self.release(buf)

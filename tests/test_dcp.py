@@ -218,15 +218,16 @@ def test_reads_only_the_bytes_it_needs(memd):
 
 
 def test_more_ranges_than_one_request_holds_are_read_in_batches_into_one_image(memd, agent_factory, monkeypatch):
-    """Under dashrun the node's dash-agent reads a load's ranges; more than MAX_RANGES go in several requests,
-    all into the same image, which the agent keeps until the last."""
+    """Under dashrun, on a node of several ranks, the node's dash-agent reads a load's ranges; more than
+    MAX_RANGES go in several requests, all into the same image, which the agent keeps until the last. The
+    only rank of a node reads them itself, straight into its tensors: the agent is not asked."""
     from dashrun.rank import restore
 
     state = {f"t{i}": torch.full((8, 8), float(i)) for i in range(40)}  # 40 items: 40 ranges
     dcp.save(state, checkpoint_id=1, storage_writer=_writer(memd, "dcp-batches"), no_dist=True)
     agent = agent_factory(memd)
     for var, value in (("DASH_MEMD", memd.address), ("DASH_TOKEN_FILE", str(memd.token_file)),
-                       ("DASH_AGENT_SOCKET", str(agent.socket_path))):
+                       ("DASH_AGENT_SOCKET", str(agent.socket_path)), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(restore, "MAX_RANGES", 16)  # the rank's batches (dash-agent takes up to 16384 at once)
     requests = []
@@ -239,6 +240,14 @@ def test_more_ranges_than_one_request_holds_are_read_in_batches_into_one_image(m
     _assert_equal(state, loaded)
     assert [(len(r.ranges), r.more) for r in requests] == [(16, True), (16, True), (8, False)]
     assert reader.bytes_read == sum(t.nbytes for t in state.values())
+    requests.clear()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    loaded = _zeros_like(state)
+    reader = ddcp.Reader("dcp-batches", tls=_tls(memd))
+    dcp.load(loaded, checkpoint_id=1, storage_reader=reader, no_dist=True)
+    reader.close()
+    _assert_equal(state, loaded)
+    assert requests == [] and reader.bytes_read == sum(t.nbytes for t in state.values())
 
 
 def test_a_checkpointer_told_to_restore_a_dcp_written_step_says_how_to_load_it(memd, agent_factory, rank_env):

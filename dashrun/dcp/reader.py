@@ -5,9 +5,10 @@ committed step (:func:`dashrun.dcp.metadata.parse_metadata`, every offset and
 length checked against the shards' announced sizes) and reads each item as
 byte ranges of the shard that holds it: only the bytes of the slices this
 rank's planner asks for (:func:`dashrun.rank.sharded.byte_runs`, with short
-gaps read rather than skipped), never the whole checkpoint; under dashrun the
-node's dash-agent reads them, elsewhere this process, each through the
-restore's source planner (:mod:`dashrun.wire.planner`).
+gaps read rather than skipped), never the whole checkpoint; under dashrun on a
+node of several ranks the node's dash-agent reads them (one fetch for the
+node), elsewhere this process, each through the restore's source planner
+(:mod:`dashrun.wire.planner`).
 :func:`describe_dcp` tells a checkpoint :class:`dashrun.dcp.Writer` wrote from
 any other, and :func:`full_state` loads the whole of one in this process, as
 ``dashrun export`` writes it.
@@ -114,7 +115,10 @@ class Reader(Connected, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._target.agent_socket is not None:
+        # The node's ranks share one fetch into the node's image. The only rank of a node reads for itself,
+        # straight into its tensors: an image would be new shared memory, costlier than the bytes' transfer
+        # on a small machine, and dash-agent lets it go once that one rank has it.
+        if self._target.agent_socket is not None and (self._target.memd is None or _node_ranks() > 1):
             self._image = self._agent_image(self._ranges(plan))
         try:
             self._read_items(plan, planner)
@@ -146,7 +150,7 @@ class Reader(Connected, StorageReader):
 
         local = os.environ.get("LOCAL_RANK")
         first = first_local_rank(int(os.environ.get("RANK", "0")), None if local is None else int(local))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_world = _node_ranks()
         link = AgentLink(self._target.agent_socket)
         try:
             request = RestoreRequest(self.job, self.step, local_world, first, tuple(ranges))
@@ -249,6 +253,12 @@ class Reader(Connected, StorageReader):
     def _lend(self) -> Iterator[MemdClient]:
         """This reader's connection to dash-memd, for the planner's one stream (it stays open after)."""
         yield self._memd()
+
+
+def _node_ranks() -> int:
+    """The ranks of this node, as the launcher says (torchrun's LOCAL_WORLD_SIZE); 1 if it does not."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return int(value) if value.isdigit() else 1
 
 
 def describe_dcp(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | None:

@@ -22,7 +22,10 @@ allocated and touched, its optimizer without state yet:
 * **DCP load, dashrun.dcp.Reader** — the same ``dcp.load``, of a ``dcp.save``
   through ``dashrun.dcp.Writer`` (a job of its own), read from dash-memd's RAM
   by ``dashrun.dcp.Reader`` in the restoring process, with no dash-agent (TLS,
-  and ``--no-tls``);
+  and ``--no-tls``), which is also how the only rank of a node reads under
+  dashrun; and as the first rank of a node of two under dashrun
+  (**2-rank node**), through the node's dash-agent, which fetches an image for
+  both;
 * **dashrun, this node** — the same, when the node already holds the image
   (another local rank fetched it, or the agent fetched it ahead as it started);
 * **dashrun, dash-memd disk** — dash-memd restarted before the round, so that it
@@ -245,12 +248,20 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
         dcp.load(state, checkpoint_id=str(dcp_dir))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
-    def dcp_reader_load(stack: Stack):
+    def dcp_reader_load(stack: Stack, local_world: int = 0):
+        """DCP's load through dashrun.dcp.Reader: in this process (``local_world`` 0, as outside dashrun), or
+        as a rank under dashrun on a node of ``local_world`` ranks (several: through dash-agent's image)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        reader = ddcp.Reader(stack.dcp_job, memd=stack.listen, token_file=stack.token_file, tls=stack.tls)
+        if local_world:
+            with stack.rank(local_world), mock.patch.dict(os.environ, DASH_MEMD=stack.listen,
+                                                           DASH_TOKEN_FILE=str(stack.token_file)):
+                reader = ddcp.Reader(stack.dcp_job, tls=stack.tls)
+        else:
+            reader = ddcp.Reader(stack.dcp_job, memd=stack.listen, token_file=stack.token_file, tls=stack.tls)
         try:
-            dcp.load(state, checkpoint_id=step, storage_reader=reader, no_dist=True)
+            with stack.rank(local_world or 1):  # the agent is asked, and told the node's ranks, while it loads
+                dcp.load(state, checkpoint_id=step, storage_reader=reader, no_dist=True)
         finally:
             reader.close()
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -298,6 +309,11 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
             # DCP's own load, from dash-memd's RAM through dashrun.dcp.Reader in this process (no dash-agent).
             times.setdefault(f"DCP load, dashrun.dcp.Reader{label[7:]}", []).append(
                 way(lambda: dcp_reader_load(stack), relaunched, stack))
+            # The same as the first rank of a node of two under dashrun: dash-agent fetches the node's image.
+            # Then, untimed, the other rank's load: the agent lets go of an image once both ranks have it.
+            first = way(lambda: dcp_reader_load(stack, 2), relaunched, stack)
+            dcp_reader_load(stack, 2)
+            times.setdefault(f"DCP load, dashrun.dcp.Reader{label[7:]}, 2-rank node", []).append(first)
     for stack in stacks:  # from disk: dash-memd restarted before each round holds nothing in RAM
         label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
         for _ in range(rounds):

@@ -102,9 +102,9 @@ class DiskWriter:
                 written = self.disk.put(entry.info, views, guard=still_wanted)
             except SourceChanged as e:  # its RAM copy changed since it arrived: no tier holds it right any more
                 with ledger.cond:
-                    if not entry.dropped and "ram" in entry.tiers:
-                        log.error("%s step %d: not written to disk: %s; %s", entry.job, entry.step, e,
-                                  ledger.lose_copy(entry, "ram"))
+                    then = ledger.lose_copy(entry, "ram") if not entry.dropped and "ram" in entry.tiers else None
+                if then is not None:
+                    log.error("%s step %d: not written to disk: %s; %s", entry.job, entry.step, e, then)
             except OSError as e:
                 reason = e.strerror or str(e)
                 self.problems.problem(entry.job, reason, "%s step %d: disk write failed (%s); it stays in RAM, the "

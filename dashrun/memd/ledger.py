@@ -60,9 +60,10 @@ class Ledger:
         if tier == "ram":
             self.bad_ram[entry.job] = self.bad_ram.get(entry.job, 0) + 1
         left = sorted(entry.tiers)
-        if not left:
-            self.forget(entry)
-        self.release_unwanted_ram(entry)
+        if left:
+            self.release_unwanted_ram(entry)
+        else:
+            self.forget(entry)  # which gives its RAM back too, once no one reads it
         self.cond.notify_all()
         return (f"it is read from {', '.join(left)} instead" if left
                 else "dropped from the catalogue; the checkpoint before it is served instead")

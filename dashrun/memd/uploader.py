@@ -89,8 +89,9 @@ class Uploader:
         self.closing = threading.Event()
         #: Deletions the bucket has not caught up with; those left by the last run are purged again.
         self.tombstones = Tombstones(disk.root / TOMBSTONES)
-        #: What to do with a disk copy found bad as it went up (the catalogue's verifier quarantines it).
-        self.disk_copy_failed: Callable[[Entry, DashError], None] = lambda entry, error: None
+        #: What to do with a disk copy found bad as it went up: the catalogue's verifier quarantines it (unset,
+        #: the upload fails and is retried, as any other failure).
+        self.disk_copy_failed: Callable[[Entry, DashError], None] | None = None
         self.tasks.extend(ObjectTask("purge", t.job, tombstone=t) for t in self.tombstones.records())
 
     def close(self) -> None:
@@ -335,14 +336,12 @@ class Uploader:
             started = time.monotonic()
             try:
                 self.objects.put(entry.info, views)
-            except SourceChanged as e:
-                changed = e
-            else:
-                changed = None
+            except SourceChanged as e:  # the disk copy no longer holds what was committed: quarantined, not retried
+                if self.disk_copy_failed is None:
+                    raise
+                self.disk_copy_failed(entry, e)
+                return
             elapsed = time.monotonic() - started
-        if changed is not None:  # the disk copy no longer holds what was committed: quarantined, not uploaded
-            self.disk_copy_failed(entry, changed)
-            return
         with cond:
             if entry.dropped:  # deleted while it went up
                 self.queue_delete(entry.job, entry.step)

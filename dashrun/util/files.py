@@ -64,9 +64,7 @@ def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o6
         each = written_piece or _ignore
         written = _write_direct(fd, view[:len(view) - len(view) % _BLOCK], each) if bypass_cache else 0
         while written < len(view):
-            n = os.write(fd, view[written:written + _CHUNK])
-            each(view[written:written + n])
-            written += n
+            written += _write_chunk(fd, view, written, each)
         if durable:
             os.fsync(fd)
     finally:
@@ -75,6 +73,13 @@ def write_new(path: str | os.PathLike, data: bytes | memoryview, mode: int = 0o6
 
 def _ignore(piece: memoryview) -> None:
     pass
+
+
+def _write_chunk(fd: int, view: memoryview, at: int, each: Callable[[memoryview], object]) -> int:
+    """Write up to a chunk of ``view`` from ``at`` and hand what was written to ``each``; returns its length."""
+    n = os.write(fd, view[at:at + _CHUNK])
+    each(view[at:at + n])
+    return n
 
 
 def _write_direct(fd: int, view: memoryview, each: Callable[[memoryview], object]) -> int:
@@ -88,9 +93,7 @@ def _write_direct(fd: int, view: memoryview, each: Callable[[memoryview], object
     try:
         # An unaligned buffer (bytes, say) fails with EINVAL before anything is written; what is left goes buffered.
         while written < len(view):
-            n = os.write(fd, view[written:written + _CHUNK])
-            each(view[written:written + n])
-            written += n
+            written += _write_chunk(fd, view, written, each)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

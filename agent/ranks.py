@@ -39,7 +39,6 @@ from dashrun.errors import ConflictError, DashError, ProtocolError, UnavailableE
 from dashrun.util.files import unmap
 from dashrun.wire.agent_messages import (
     Progress,
-    ReadRequest,
     RestoreReply,
     RestoreRequest,
     SnapshotReply,
@@ -118,11 +117,8 @@ class Staged:
 
 
 class SegmentMaps:
-    """The agent's mappings of a rank's segments, kept while the rank reuses them: read-only for the staging
-    segments a rank alternates between, writable for the buffers a restore reads into.
-
-    Mapping each once avoids faulting its pages in again for every checkpoint (or every piece of a restore).
-    """
+    """The agent's read-only mappings of the staging segments a rank alternates between, kept while the rank
+    reuses them: mapping each once avoids faulting its pages in again for every checkpoint."""
 
     KEEP = 2
 
@@ -170,18 +166,6 @@ def _mapped(fd: int, nbytes: int, **kwargs) -> mmap.mmap:
             from None
 
 
-def window(fd: int, at: int, nbytes: int) -> memoryview:
-    """Bytes ``[at, at + nbytes)`` of the segment behind ``fd``, writable, mapped for as long as the view
-    (and its slices) live."""
-    if os.fstat(fd).st_size < at + nbytes:
-        raise ProtocolError("the segment is smaller than the range asked for")
-    if not nbytes:
-        return memoryview(bytearray())
-    start = at - at % mmap.ALLOCATIONGRANULARITY
-    mapped = _mapped(fd, at + nbytes - start, offset=start)
-    return memoryview(mapped)[at - start:]  # holds the mapping, unmapped once the last view of it goes
-
-
 class RankConnection:
     """One rank's connection: a reader thread, a sender thread, helpers for slow requests.
 
@@ -197,7 +181,6 @@ class RankConnection:
         self._snapshots: queue.Queue[Staged | None] = queue.Queue()
         self._staging: dict[int, Staged] = {}
         self._maps = SegmentMaps()
-        self._restore_maps = SegmentMaps(writable=True)
         self.sender = threading.Thread(target=self._send_loop, name="agent-sender", daemon=True)
         self.who = "rank ?"
         self._halves_left = 2  # the reader and the sender
@@ -299,7 +282,6 @@ class RankConnection:
             pass
         with self._send_lock:  # not under a reply being sent: the descriptor's number could be reused meanwhile
             self.ch.close()
-        self._restore_maps.close()
         self.agent.connection_finished(self)
 
     def _dispatch(self, frame: Frame) -> None:
@@ -325,21 +307,6 @@ class RankConnection:
                 staged.advance(progress.ready, progress.failed, progress.crc)
         elif frame.kind == Kind.RESTORE:
             threading.Thread(target=self._restore, args=(request_id, frame.body), daemon=True).start()
-        elif frame.kind == Kind.READ_INTO:
-            try:
-                if len(frame.fds) != 1:
-                    raise ProtocolError("READ_INTO needs exactly one segment descriptor")
-                request = ReadRequest.from_body(frame.body)
-                if request.keep:  # the rank's reused buffers: mapped once, for every read into them
-                    view = self._restore_maps.view(frame.fds[0], request.at + request.stop - request.start)
-                else:
-                    self._restore_maps.forget(frame.fds[0])
-                    view = window(frame.fds[0], request.at, request.stop - request.start)
-                    request = dataclasses.replace(request, at=0)  # the view starts there
-            except ProtocolError as e:
-                self.reply_error(request_id, e)
-                return
-            threading.Thread(target=self._read_into, args=(request_id, request, view), daemon=True).start()
         elif frame.kind == Kind.WAIT:
             threading.Thread(target=self._wait, args=(request_id, frame.body), daemon=True).start()
         elif frame.kind == Kind.PING:
@@ -428,17 +395,6 @@ class RankConnection:
             self.reply_error(request_id, e)
         except Exception as e:
             log.exception("restore failed")
-            self.reply_error(request_id, e)
-
-    def _read_into(self, request_id: Any, request: ReadRequest, view: memoryview) -> None:
-        try:
-            with view:
-                self.agent.restores.read_into(request, view)
-            self.reply(request_id)
-        except DashError as e:
-            self.reply_error(request_id, e)
-        except Exception as e:
-            log.exception("reading a restore's range failed")
             self.reply_error(request_id, e)
 
     def _wait(self, request_id: Any, body: dict[str, Any]) -> None:

@@ -7,10 +7,10 @@ the replicated state, and their own private parts; see
 memfd segment laid out as :mod:`dashrun.wire.image` says, and the node's
 other ranks are handed descriptors of the same segment; a rank whose private
 part is not in it yet has it fetched into place first. The only rank of a
-node may instead read the replicated state itself (``direct``), piece by piece
-into buffers it reuses (:meth:`RestoreCache.read_into`), and copy it into the
-tensors it has: the image then holds the tails alone, and no fresh memory the
-size of the state is written first. When the agent
+node may instead read the replicated state from dash-memd itself (``direct``),
+straight into the tensors it has (:mod:`dashrun.rank.direct`): the image then
+holds the tails alone, and no fresh memory the size of the state is written
+first. When the agent
 starts for a job it fetches the job's newest checkpoint at once
 (:meth:`RestoreCache.prefetch`), while the ranks are still starting, so that
 their ``restore()`` finds it on this node. The agent drops its own descriptor
@@ -21,7 +21,6 @@ the image meanwhile never closes (or lets the system reuse) what is being sent.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -32,10 +31,9 @@ import time
 from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError
+from dashrun.errors import ChecksumError, DashError, NotFoundError
 from dashrun.util.files import unmap
 from dashrun.wire import image
-from dashrun.wire.agent_messages import ReadRequest
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.planner import Extent, MemdSource, NodeCopy, Planner, pieces, replicated_span, wanted, widen_once
@@ -52,8 +50,6 @@ IDLE_CLIENT = 30.0
 
 #: Bytes of a restore image given memory at a time ahead of the streams that fill it.
 ALLOCATE_STEP = 8 << 20
-#: Checkpoint descriptions kept for direct reads (a few jobs' ranks restoring on one node at once).
-DESCRIBED = 8
 
 
 @dataclasses.dataclass
@@ -90,7 +86,7 @@ class Lease:
 
     @property
     def direct(self) -> bool:
-        """The image leaves the replicated state to the rank (see :meth:`RestoreCache.read_into`)."""
+        """The image leaves the replicated state to the rank (see :mod:`dashrun.rank.direct`)."""
         return not self.image.has_replicated
 
     def close(self) -> None:
@@ -155,11 +151,6 @@ class RestoreCache:
         self._fetching: dict[str, threading.Lock] = {}
         self._images: dict[tuple[str, int], RestoreImage] = {}
         self._waiting = 0  # ranks in get(): a fetch meanwhile is what they wait for (guarded by _lock)
-        self._readers = threading.BoundedSemaphore(config.restore_streams)  # read_into()s at once
-        # The checkpoints direct reads asked for last, by (job, step, committed_at): dash-memd refuses a range of
-        # any other attempt at the step, so a description kept here cannot serve bytes it does not describe.
-        self._described: collections.OrderedDict[tuple[str, int, float], CheckpointInfo] = \
-            collections.OrderedDict()
 
     def get(self, job: str, step: int | None, ranks: Collection[int] | None = None,
             ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease | None:
@@ -280,35 +271,6 @@ class RestoreCache:
         held.held.update(missing)
         log.info("fetched %s step %d (%s) in %.2fs", info.job, info.step,
                  ", ".join(f"{n} bytes from {source}" for source, n in served.items()), time.monotonic() - started)
-
-    def read_into(self, request: ReadRequest, view: memoryview) -> None:
-        """Bytes ``[start, stop)`` of the replicated state of a committed checkpoint into ``view`` at ``at``,
-        from the fastest source that holds them; refused (NotFoundError) if that checkpoint is no longer the
-        one committed at ``committed_at``. A rank waits for them: the reading threads may use every CPU."""
-        with self._readers:  # as many as the streams a fetch would use; the rank keeps more asked for
-            info = self._describe(request.job, request.step, request.committed_at)
-            extents = replicated_span(info, request.start, request.stop, request.at)
-            if request.at + (request.stop - request.start) > len(view):
-                raise ProtocolError("the segment is smaller than the range asked for")
-            Planner([MemdSource(self.clients.client, 1)]).read(info, extents, view)
-
-    def _describe(self, job: str, step: int, committed_at: float) -> CheckpointInfo:
-        """The description of the checkpoint a direct read names: looked up once, not for every piece."""
-        key = (job, step, committed_at)
-        with self._lock:
-            info = self._described.get(key)
-            if info is not None:
-                self._described.move_to_end(key)
-                return info
-        with self.clients.client() as client:
-            info = client.latest(job, step)
-        if info is None or info.step != step or info.committed_at != committed_at:
-            raise NotFoundError(f"{job} step {step} went away while it was restored")
-        with self._lock:
-            self._described[key] = info
-            while len(self._described) > DESCRIBED:
-                self._described.popitem(last=False)
-        return info
 
     def handed_out(self, image: RestoreImage, local_ranks: int) -> None:
         """Count a rank served; once every local rank has its own descriptor, the agent's goes."""

@@ -148,9 +148,12 @@ class Stack:
         return MemdClient(host, int(port), self.token, timeout=300, tls=self.tls)
 
     def rank(self, local_world: int = 1):
-        """This process as the rank of a node of ``local_world`` ranks, talking to this stack's agent."""
+        """This process as the rank of a node of ``local_world`` ranks, talking to this stack's agent and told
+        where dash-memd is, as dashrun's launcher tells its ranks."""
+        told = {"DASH_MEMD": self.listen, "DASH_TOKEN_FILE": str(self.token_file),
+                **({"DASH_NO_TLS": "1"} if self.tls.plaintext else {})}
         return mock.patch.dict(os.environ, DASH_AGENT_SOCKET=str(self.socket), DASH_JOB_ID=self.job,
-                               LOCAL_WORLD_SIZE=str(local_world))
+                               LOCAL_WORLD_SIZE=str(local_world), **told)
 
 
 #: The processes whose CPU time a restore is charged, as the report names them.
@@ -254,8 +257,7 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
         if local_world:
-            with stack.rank(local_world), mock.patch.dict(os.environ, DASH_MEMD=stack.listen,
-                                                           DASH_TOKEN_FILE=str(stack.token_file)):
+            with stack.rank(local_world):
                 reader = ddcp.Reader(stack.dcp_job, tls=stack.tls)
         else:
             reader = ddcp.Reader(stack.dcp_job, memd=stack.listen, token_file=stack.token_file, tls=stack.tls)

@@ -205,6 +205,11 @@ def rank_env(monkeypatch):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
         monkeypatch.setenv("DASH_AGENT_SOCKET", str(agent.socket_path) if agent else "/nonexistent/agent.sock")
         monkeypatch.setenv("DASH_JOB_ID", job)
+        if agent:  # dash-memd, as dashrun's launcher tells its ranks
+            monkeypatch.setenv("DASH_MEMD", agent.memd.address)
+            monkeypatch.setenv("DASH_TOKEN_FILE", str(agent.memd.token_file))
+            if agent.memd.tls_args:
+                monkeypatch.setenv("DASH_NO_TLS", "1")
         return Checkpointer(interval=5, **objects)
     return make
 

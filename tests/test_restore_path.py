@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -13,12 +12,12 @@ from test_checkpointer import fresh_objects, same_state, save_world, trained_obj
 
 from dashrun.agent.restores import ClientPool
 from dashrun.errors import NotFoundError, ProtocolError, UnavailableError
-from dashrun.rank import direct
-from dashrun.wire import image
+from dashrun.wire import image, planner
 from dashrun.wire.agent_link import AgentLink
-from dashrun.wire.agent_messages import ReadRequest, RestoreRequest
+from dashrun.wire.agent_messages import RestoreRequest
+from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import ShardHeader
-from dashrun.wire.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, replicated_span, wanted
+from dashrun.wire.planner import PIECE, Extent, MemdSource, NodeCopy, Planner, Scatter, replicated_span, wanted
 from dashrun.wire.protocol import Kind
 
 LAYOUT = "ab" * 32
@@ -46,11 +45,10 @@ def test_byte_ranges_of_a_shard(memd):
         assert client.ping()  # refused requests leave dash-memd serving
 
 
-def test_a_read_in_pieces_never_mixes_two_attempts_at_one_step(memd, agent_factory):
+def test_a_read_in_pieces_never_mixes_two_attempts_at_one_step(memd):
     """A step committed again (a new attempt at it, of another layout, replaces the one before) while a restore
-    reads it in pieces: every further piece of the attempt it began with is refused, by dash-memd and through
-    the agent's direct read, which looks the checkpoint up once, not for every piece."""
-    agent = agent_factory(memd)
+    reads it in pieces: every further piece of the attempt it began with is refused, by range or through the
+    source planner, into one buffer or scattered (as a rank's direct read)."""
     first, second = os.urandom(3 << 20), os.urandom(3 << 20)
     with memd.client() as client:
         one_rank_checkpoint(client, "again", first)
@@ -58,57 +56,34 @@ def test_a_read_in_pieces_never_mixes_two_attempts_at_one_step(memd, agent_facto
         got = bytearray(1 << 20)
         client.get_shard_into("again", 1, 0, [memoryview(got)], offset=5, committed_at=before.committed_at)
         assert bytes(got) == first[5:5 + len(got)]
-    fd = os.memfd_create("ring")
-    os.ftruncate(fd, 1 << 20)
-    link = AgentLink(str(agent.socket_path))
-    try:
-        def read(info, start):
-            request = ReadRequest("again", 1, info.committed_at, start, start + (1 << 20))
-            link.request(Kind.READ_INTO, request.to_body(), fds=[fd]).result(timeout=30).close_fds()
-            return os.pread(fd, 1 << 20, 0)
-
-        assert read(before, 0) == first[:1 << 20]
-        with memd.client() as client:
-            one_rank_checkpoint(client, "again", second, layout="cd" * 32)
-            after = client.latest("again")
-            assert after.committed_at != before.committed_at
-            for offset in (None, 1 << 20):
-                with pytest.raises(NotFoundError, match="committed again"):
-                    client.get_shard_into("again", 1, 0, [memoryview(got)], offset=offset,
-                                          committed_at=before.committed_at)
-            with pytest.raises(NotFoundError):
-                Planner([MemdSource(memd.client)]).read(before, replicated_span(before, 0, 1 << 20),
-                                                        memoryview(got))
+        one_rank_checkpoint(client, "again", second, layout="cd" * 32)
+        after = client.latest("again")
+        assert after.committed_at != before.committed_at
+        for offset in (None, 1 << 20):
+            with pytest.raises(NotFoundError, match="committed again"):
+                client.get_shard_into("again", 1, 0, [memoryview(got)], offset=offset,
+                                      committed_at=before.committed_at)
+    halves = Scatter([(0, memoryview(bytearray(1 << 19))), (1 << 19, memoryview(bytearray(1 << 19)))])
+    for into in (memoryview(got), halves):
         with pytest.raises(NotFoundError):
-            read(before, 1 << 20)  # the agent described this attempt already: dash-memd refuses its bytes
-        assert read(after, 1 << 20) == second[1 << 20:2 << 20]
-    finally:
-        link.close()
-        os.close(fd)
+            Planner([MemdSource(memd.client)]).read(before, replicated_span(before, 0, 1 << 20), into)
+    Planner([MemdSource(memd.client)]).read(after, replicated_span(after, 0, 1 << 20), halves)
+    assert b"".join(bytes(v) for v in halves.views(0, 1 << 20)) == second[:1 << 20]
 
 
-def test_a_direct_read_looks_its_checkpoint_up_once_not_for_every_piece(memd, monkeypatch):
-    from dashrun.agent.config import AgentConfig
-    from dashrun.agent.restores import RestoreCache
-    from dashrun.wire.memd_client import MemdClient
-    from dashrun.wire.tls import TlsSettings
-
-    payload = os.urandom(3 << 20)
-    with memd.client() as client:
-        one_rank_checkpoint(client, "once", payload)
-        info = client.latest("once")
-    looked_up = []
-    latest = MemdClient.latest
-    monkeypatch.setattr(MemdClient, "latest", lambda self, *args: looked_up.append(args) or latest(self, *args))
-    cache = RestoreCache(AgentConfig(memd.host, memd.port, memd.token, tls=TlsSettings(plaintext=bool(memd.tls_args))))
-    try:
-        got = bytearray(len(payload))
-        for start in range(0, len(payload), 1 << 20):  # the pieces of one restore, as a rank asks for them
-            request = ReadRequest("once", 1, info.committed_at, start, start + (1 << 20), start)
-            cache.read_into(request, memoryview(got))
-    finally:
-        cache.clients.close()
-    assert bytes(got) == payload and looked_up == [("once", 1)]
+def test_a_scatter_gives_each_range_the_memory_of_the_places_it_spans():
+    one, two, three = bytearray(b"a" * 10), bytearray(b"b" * 5), bytearray(b"c" * 8)
+    into = Scatter([(0, memoryview(one)), (10, memoryview(two)), (20, memoryview(three))])  # 15-20: no place
+    assert [bytes(v) for v in into.views(3, 13)] == [b"a" * 7, b"b" * 3]
+    assert [bytes(v) for v in into.views(20, 28)] == [b"c" * 8]
+    assert into.views(0, 0) == []
+    for start, stop in [(12, 21), (14, 16), (27, 29), (-1, 2)]:  # through the hole, past the end, before it
+        with pytest.raises(ProtocolError, match="no place"):
+            into.views(start, stop)
+    into.views(0, 15)[1][:] = b"xxxxx"
+    assert two == bytearray(b"xxxxx")  # the memory itself, not a copy
+    with pytest.raises(ProtocolError, match="overlap"):
+        Scatter([(0, memoryview(one)), (9, memoryview(two))])
 
 
 def test_a_large_shard_is_read_in_pieces_over_several_streams_into_place(memd):
@@ -270,24 +245,52 @@ def state_tensors(model, opt) -> list[torch.Tensor]:
     return list(model.state_dict().values()) + [t for s in opt.state.values() for t in s.values()]
 
 
+class Reads:
+    """The ranges this process reads from dash-memd (a rank's direct read), counted as they are asked for."""
+
+    def __init__(self, monkeypatch, fail_at: int | None = None):
+        self.calls: list[tuple[int, int]] = []
+        self.looked_up: list[tuple] = []
+        real_get, real_latest = MemdClient.get_shard_into, MemdClient.latest
+        reads = self
+
+        def get_shard_into(self, job, step, rank, views, **kwargs):
+            reads.calls.append((rank, sum(len(v) for v in views)))
+            if fail_at is not None and len(reads.calls) == fail_at:
+                raise UnavailableError("dash-memd went away")
+            return real_get(self, job, step, rank, views, **kwargs)
+
+        def latest(self, *args):
+            reads.looked_up.append(args)
+            return real_latest(self, *args)
+
+        monkeypatch.setattr(MemdClient, "get_shard_into", get_shard_into)
+        monkeypatch.setattr(MemdClient, "latest", latest)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.calls)
+
+
 @pytest.mark.parametrize("with_state", [True, False], ids=["optimizer-state-exists", "no-optimizer-state"])
 def test_the_only_rank_of_a_node_reads_the_state_straight_into_the_tensors_it_has(stack, rank_env, monkeypatch,
                                                                                   caplog, with_state):
-    """A rank alone on its node has the agent read the replicated state through small reused buffers into its
-    own tensors: the node's image holds the tails alone, the parameters (and the optimizer state, where there is
-    one) are the same tensors after as before, and the state equals the saved one."""
+    """A rank alone on its node reads the replicated state from dash-memd itself, straight into its own tensors:
+    the node's image holds the tails alone, every replicated byte is read once (by this process, in pieces that
+    split leaves, over several connections, the checkpoint looked up by no piece), the parameters (and the
+    optimizer state, where there is one) are the same tensors after as before, and the state equals the saved
+    one."""
     memd, agent = stack
     model, opt, sched = trained_objects()
     save_world(rank_env, agent, "direct", 2, 6, model, opt, sched, [3, 4])  # the replicated state spans 2 shards
     with memd.client() as client:
         info = client.latest("direct")
-    # Pieces smaller than a leaf and not aligned to one, so that leaves span pieces and buffers are reused.
-    monkeypatch.setattr(direct, "DIRECT_SLOT", 4096 + 64)
-    monkeypatch.setattr(direct, "DIRECT_SLOTS", 3)
+    monkeypatch.setattr(planner, "PIECE", 4096 + 64)  # pieces smaller than a leaf and not aligned to one
     model2, opt2, sched2 = trained_objects(seed=99, steps=1 if with_state else 0)
     before = {t.data_ptr() for t in state_tensors(model2, opt2)}
     assert bool(opt2.state) == with_state
     ckpt = rank_env(agent, "direct", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    reads = Reads(monkeypatch)
     assert ckpt.restore() == 7
     ckpt.close()
     assert same_state(model, model2) and same_state(opt, opt2) and ckpt.objects["data"].position == 3
@@ -295,15 +298,30 @@ def test_the_only_rank_of_a_node_reads_the_state_straight_into_the_tensors_it_ha
     after = {t.data_ptr() for t in state_tensors(model2, opt2)}
     assert {t.data_ptr() for t in model2.state_dict().values()} <= before  # the parameters were written in place
     assert (after == before) == with_state  # so was the optimizer's state, where it had one
+    assert {rank for rank, _ in reads.calls} == {0, 1} and len(reads.calls) > 4 and not reads.looked_up
+    assert info.rep_total - 64 * 1024 < reads.nbytes <= info.rep_total  # the leaves once, and not much between
     fetched = [line for line in agent.log().splitlines() if "fetched direct step 6" in line]
     tails = sum(s.nbytes - (s.rep_end - s.rep_start) for s in info.shards)
     assert len(fetches := fetched) == 1 and f"({tails} bytes from dash-memd)" in fetches[0]  # no replicated bytes
-    # The agent kept no mapping of the rank's buffers, nor of the memory its new tensors live in.
-    maps = f"/proc/{agent.proc.pid}/maps"
-    wait_for(lambda: "dashrun-restore-" not in open(maps).read(), 10, "the agent to let go of the rank's segments")
     torch.manual_seed(5)  # and it trains on
     model2(torch.randn(16, 64)).pow(2).mean().backward()
     opt2.step()
+
+
+def test_a_rank_that_is_not_told_where_dash_memd_is_maps_the_node_image(stack, rank_env, monkeypatch):
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "untold", 1, 2, model, opt, sched, [0])
+    model2, opt2, sched2 = trained_objects(seed=99, steps=1)
+    ckpt = rank_env(agent, "untold", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    monkeypatch.delenv("DASH_MEMD")
+    reads = Reads(monkeypatch)
+    assert ckpt.restore() == 3
+    ckpt.close()
+    assert same_state(model, model2) and same_state(opt, opt2) and not reads.calls
+    with memd.client() as client:
+        nbytes = client.latest("untold").nbytes
+    assert any(f"({nbytes} bytes from dash-memd)" in line for line in agent.log().splitlines())
 
 
 def test_a_rank_of_a_node_of_several_maps_the_node_image_instead(stack, rank_env):
@@ -321,76 +339,18 @@ def test_a_rank_of_a_node_of_several_maps_the_node_image_instead(stack, rank_env
     assert any(f"({nbytes} bytes from dash-memd)" in line for line in agent.log().splitlines())
 
 
-def test_a_direct_read_that_fails_loads_the_checkpoint_from_the_node_image(stack, rank_env, monkeypatch):
+def test_a_direct_read_that_fails_loads_the_checkpoint_from_the_node_image(stack, rank_env, monkeypatch, caplog):
     memd, agent = stack
     model, opt, sched = trained_objects()
     save_world(rank_env, agent, "fallback", 1, 2, model, opt, sched, [0])
-    real, failed = direct._stream, []
-
-    def failing(plan, read_span):
-        if not failed:
-            failed.append(True)
-            real(plan[:1], read_span)  # the first leaf is written in place, then the agent "goes away"
-            raise UnavailableError("dash-agent went away")
-        real(plan, read_span)
-
-    monkeypatch.setattr(direct, "_stream", failing)
+    monkeypatch.setattr(planner, "PIECE", 4096)
     model2, opt2, sched2 = trained_objects(seed=99, steps=1)
     ckpt = rank_env(agent, "fallback", 0, 1, model=model2, optimizer=opt2, scheduler=sched2, data=Cursor())
+    reads = Reads(monkeypatch, fail_at=3)  # some pieces are in place, then dash-memd "goes away" from this rank
     assert ckpt.restore() == 3
     ckpt.close()
-    assert failed and same_state(model, model2) and same_state(opt, opt2)
-
-
-def test_a_read_into_the_ranks_buffers_is_bounded_and_of_the_checkpoint_the_rank_was_told(stack, rank_env):
-    memd, agent = stack
-    model, opt, sched = trained_objects()
-    save_world(rank_env, agent, "bounded", 2, 2, model, opt, sched, [0, 0])
-    with memd.client() as client:
-        info = client.latest("bounded")
-    whole = bytearray(info.rep_total)
-    Planner([MemdSource(memd.client)]).read(info, replicated_span(info, 0, info.rep_total), memoryview(whole))
-    fd = os.memfd_create("ring")
-    os.ftruncate(fd, 8192)
-    link = AgentLink(str(agent.socket_path))
-    try:
-        def read(start, stop, at=0, committed_at=info.committed_at, job="bounded", keep=False):
-            request = ReadRequest(job, info.step, committed_at, start, stop, at, keep)
-            link.request(Kind.READ_INTO, request.to_body(), fds=[fd]).result(timeout=30).close_fds()
-            return os.pread(fd, stop - start, at)
-
-        middle = info.shards[0].rep_end - 100  # across the two shards' slices
-        assert read(middle, middle + 200, at=4096) == bytes(whole[middle:middle + 200])
-        assert read(10, 90, at=8000, keep=True) == bytes(whole[10:90])  # mapped once, for reads to come
-        with pytest.raises(ProtocolError):
-            read(info.rep_total - 10, info.rep_total + 1)  # past the replicated state
-        with pytest.raises(ProtocolError):
-            read(0, 4097, at=4096)  # past the segment
-        with pytest.raises(NotFoundError):
-            read(0, 10, committed_at=info.committed_at + 1)  # another commit of the step
-        with pytest.raises(NotFoundError):
-            read(0, 10, job="no-such-job")
-        for keep in (False, True):  # descriptors that cannot be mapped for writing: refused in a line each
-            for unmappable in (os.open(os.path.dirname(__file__), os.O_RDONLY), read_only_file(8192)):
-                request = ReadRequest("bounded", info.step, info.committed_at, 0, 10, 0, keep)
-                try:
-                    with pytest.raises(ProtocolError, match="cannot be mapped"):
-                        link.request(Kind.READ_INTO, request.to_body(), fds=[unmappable]).result(timeout=30)
-                finally:
-                    os.close(unmappable)
-        assert link.call(Kind.PING, timeout=10).body["pid"]  # refused requests leave the agent serving
-        assert read(0, 10) == bytes(whole[:10])  # on the same connection
-    finally:
-        link.close()
-        os.close(fd)
-    assert "Traceback" not in agent.log()
-
-
-def read_only_file(nbytes: int) -> int:
-    """A descriptor of a file of ``nbytes``, opened for reading only (gone from the file system)."""
-    with tempfile.NamedTemporaryFile() as f:
-        f.truncate(nbytes)
-        return os.open(f.name, os.O_RDONLY)
+    assert len(reads.calls) >= 3 and same_state(model, model2) and same_state(opt, opt2)
+    assert "loading it from the node's image" in caplog.text
 
 
 def test_only_a_node_of_one_rank_without_a_gpu_skips_the_fetch_ahead():

@@ -1,38 +1,33 @@
 """The direct read: the only rank of a node restoring straight into the tensors it has.
 
 On a CPU node of one rank, the node's image holds the tails alone and the rank
-reads the replicated state itself: through a few small buffers it reuses
-(READ_INTO, see :class:`dashrun.wire.agent_messages.ReadRequest`), each
-piece copied into the tensors it already has — its parameters, its
+reads the replicated state from dash-memd itself, through the restore's source
+planner (:class:`dashrun.wire.planner.Planner`), each piece received and
+decrypted straight into the tensors it already has — its parameters, its
 optimizer's state where that exists — and into new tensors for the rest.
 Fresh memory costs more per byte than the network on a small VM, and a rank
 that built its model has touched its parameters' memory already; nothing is
-mapped copy-on-write, so the first step copies nothing.
+mapped copy-on-write, so the first step copies nothing, and no byte is copied
+twice: not through dash-agent, not through a buffer.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import ctypes
 import functools
-import itertools
 import math
 import mmap
-import os
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from dashrun.errors import ProtocolError, UnavailableError, UsageError
+from dashrun.errors import ProtocolError, UsageError
 from dashrun.rank import sharded, statetree
-from dashrun.wire.channel import Frame
+from dashrun.rank.staging import bytes_of
+from dashrun.wire.planner import Scatter
 
-__all__ = ["DIRECT_SLOT", "DIRECT_SLOTS", "READ_TIMEOUT", "in_place_targets", "read_direct"]
-
-#: How long a direct read waits for one piece from dash-agent.
-READ_TIMEOUT = 120.0
+__all__ = ["JOIN_GAP", "in_place_targets", "read_direct", "scatter"]
 
 
 class _Leaf:
@@ -78,23 +73,15 @@ def in_place_targets(skeleton: Any, entries: Sequence[Any], objects: Mapping[str
     return targets
 
 
-#: A direct read's buffers: how many are in flight at once, and the bytes of each.
-DIRECT_SLOTS = 4
-DIRECT_SLOT = 16 << 20
 #: Bytes between two leaves up to which one read spans both (a request more costs more than reading them).
 JOIN_GAP = 64 << 10
 
 
 def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep_total: int,
-                read_span: Callable[..., concurrent.futures.Future[Frame]]) -> list[Any]:
-    """The replicated state's leaves, read through a few reused buffers into ``targets`` (new tensors where a
-    leaf has none): ``read_span(start, stop, fd, at, keep)`` has the agent read bytes ``[start, stop)`` of it
-    into the buffers' segment ``fd`` at ``at``, each piece verified against its CRC-32C on the way; ``keep``:
-    more reads into the segment follow, the agent may keep it mapped.
-
-    (Reading new tensors' bytes straight into shared memory they are views of, rather than copying them from
-    the buffers into anonymous memory, was slower here: fresh shared memory costs this VM about three times
-    what fresh anonymous memory does.)"""
+                read: Callable[[list[tuple[int, int]], Scatter], None]) -> list[Any]:
+    """The replicated state's leaves, read into ``targets`` (new tensors where a leaf has none): ``read(spans,
+    image)`` reads each span ``[start, stop)`` of the replicated state into ``image`` (see :func:`scatter`),
+    each piece verified against its CRC-32C on the way."""
     leaves: list[Any] = []
     plan: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, destination bytes)
     arrays: list[tuple[int, torch.Tensor, str, list[int]]] = []
@@ -124,11 +111,13 @@ def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep
         if nbytes:
             plan.append((offset, nbytes, flat))
     plan.sort(key=lambda p: p[0])
+    spans, image = scatter(plan)
     stop = threading.Event()
     toucher = threading.Thread(target=_touch, args=(fresh, stop), name="dashrun-restore-touch", daemon=True)
     toucher.start()
     try:
-        _stream(plan, read_span)
+        if spans:
+            read(spans, image)
     finally:
         stop.set()
         toucher.join()
@@ -137,9 +126,34 @@ def read_direct(entries: Sequence[Any], targets: Mapping[int, torch.Tensor], rep
     return leaves
 
 
+def scatter(plan: Sequence[tuple[int, int, torch.Tensor]]) -> tuple[list[tuple[int, int]], Scatter]:
+    """The spans of the replicated state to read for ``plan`` — (offset, bytes, where they go), sorted — and
+    where each byte of them goes: a leaf's bytes into its tensor, the few of alignment between the leaves of
+    one span into scratch memory of their own (each checksummed where it lands)."""
+    # Leaves lie a few bytes of alignment apart: one read across them, not a request per leaf.
+    spans = sharded.joined([(offset, offset + nbytes) for offset, nbytes, _ in plan], gap=JOIN_GAP)
+    places: list[tuple[int, memoryview]] = []
+    gaps: list[tuple[int, int]] = []
+    end = None
+    for offset, nbytes, flat in plan:
+        if end is not None and offset < end:
+            raise ProtocolError("two saved tensors overlap in the replicated state")
+        if end is not None and offset - end <= JOIN_GAP and offset > end:
+            gaps.append((end, offset - end))
+        places.append((offset, bytes_of(flat)))
+        end = offset + nbytes
+    scratch = memoryview(bytearray(sum(n for _, n in gaps)))
+    at = 0
+    for offset, nbytes in gaps:
+        places.append((offset, scratch[at:at + nbytes]))
+        at += nbytes
+    places.sort(key=lambda p: p[0])
+    return spans, Scatter(places)
+
+
 def _touch(tensors: Sequence[torch.Tensor], stop: threading.Event) -> None:
     """Give new tensors their memory while the rank waits for the first bytes, rather than page by page as
-    they are copied (a page fault each, on the rank's core)."""
+    they are received (a page fault each)."""
     madvise = _libc_madvise()
     if madvise is None:
         return
@@ -167,59 +181,3 @@ def _libc_madvise():
     call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     call.restype = ctypes.c_int
     return call
-
-
-def _stream(plan: list[tuple[int, int, torch.Tensor]],
-            read_span: Callable[..., concurrent.futures.Future[Frame]]) -> None:
-    """Read the bytes of ``plan`` (sorted by offset) through DIRECT_SLOTS buffers: while the rank copies one
-    piece into place, the agent fills the others."""
-    # Leaves lie a few bytes of alignment apart: one read across them, not a request per leaf.
-    spans = sharded.joined([(offset, offset + nbytes) for offset, nbytes, _ in plan], gap=JOIN_GAP)
-    pieces = [(start, min(start + DIRECT_SLOT, stop)) for start, stop in spans
-              for start in range(start, stop, DIRECT_SLOT)]
-    if not pieces:
-        return
-    slots = min(DIRECT_SLOTS, len(pieces))
-    fd = os.memfd_create("dashrun-restore-direct", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, slots * DIRECT_SLOT)
-        buffers = torch.frombuffer(mmap.mmap(fd, slots * DIRECT_SLOT), dtype=torch.uint8)
-        in_flight: collections.deque = collections.deque()
-        following = iter(pieces)
-
-        def ask(slot: int) -> None:
-            piece = next(following, None)
-            if piece is not None:
-                # The last read lets the agent let go of its mapping of the buffers.
-                keep = piece is not pieces[-1]
-                in_flight.append((read_span(piece[0], piece[1], fd, slot * DIRECT_SLOT, keep), slot, piece))
-
-        for slot in range(slots):
-            ask(slot)
-        first = 0  # plan entries before it end before the piece being copied
-        try:
-            while in_flight:
-                future, slot, (start, stop) = in_flight.popleft()
-                try:
-                    future.result(timeout=READ_TIMEOUT).close_fds()
-                except concurrent.futures.TimeoutError:
-                    raise UnavailableError(f"dash-agent did not read bytes {start}-{stop} of the checkpoint "
-                                           f"within {READ_TIMEOUT:.0f} s") from None
-                base = slot * DIRECT_SLOT - start
-                while first < len(plan) and plan[first][0] + plan[first][1] <= start:
-                    first += 1
-                for offset, nbytes, flat in itertools.islice(plan, first, None):
-                    if offset >= stop:
-                        break
-                    lo, hi = max(start, offset), min(stop, offset + nbytes)
-                    if lo < hi:
-                        flat[lo - offset:hi - offset].copy_(buffers[base + lo:base + hi])
-                ask(slot)
-        finally:
-            for future, _, _ in in_flight:  # the agent is still writing: wait, so the buffers outlive it
-                try:
-                    future.result(timeout=READ_TIMEOUT)
-                except Exception:
-                    pass
-    finally:
-        os.close(fd)

@@ -11,14 +11,13 @@ ranks kept in their private state (see :mod:`dashrun.rank.snapshot`), go
 back into the replicated state: the rank's own where it saved its own, else
 rank 0's (every rank of a node has every saved rank's part in the image).
 
-The only rank of a node on the CPU reads the replicated state *directly*,
-straight into the tensors it already has (:mod:`dashrun.rank.direct`); the
-image then holds the tails alone.
+The only rank of a node on the CPU reads the replicated state *directly* from
+dash-memd, straight into the tensors it already has (:mod:`dashrun.rank.direct`);
+the image then holds the tails alone.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -32,7 +31,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError, UsageError
+from dashrun.errors import DashError, ProtocolError, UnavailableError, UsageError
 from dashrun.rank import sharded, statetree
 from dashrun.rank.direct import in_place_targets, read_direct
 from dashrun.rank.notices import in_process_group
@@ -40,9 +39,11 @@ from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
 from dashrun.wire import image
 from dashrun.wire.agent_link import AgentLink
-from dashrun.wire.agent_messages import MAX_RANGES, ReadRequest, RestoreReply, RestoreRequest
+from dashrun.wire.agent_messages import MAX_RANGES, RestoreReply, RestoreRequest
 from dashrun.wire.channel import Frame
+from dashrun.wire.memd_client import memd_from_env
 from dashrun.wire.messages import CheckpointInfo
+from dashrun.wire.planner import MemdSource, Planner, Scatter, replicated_span
 from dashrun.wire.protocol import Kind
 
 __all__ = ["RESTORE_TIMEOUT", "agree", "decode_private", "decode_replicated", "fetch", "first_local_rank", "load",
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: How long restore() keeps trying while dash-agent or dash-memd is unreachable.
 RESTORE_TIMEOUT = 120.0
+#: Most connections a direct read receives over at once (decrypting on as many of the rank's cores).
+DIRECT_STREAMS = 4
 
 
 def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails: Sequence[int], *,
@@ -189,8 +192,10 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
     this rank knows which it needs; ``stats`` (if given) is told the bytes of them needed and read.
     """
     first_rank = first_local_rank(rank, local_rank)
-    # A node of several ranks downloads the state once, into the image they all map.
-    direct = local_world == 1 and _device_of(objects) is None
+    # A node of several ranks downloads the state once, into the image they all map; the only rank of a CPU
+    # node reads it from dash-memd itself, where the launcher said how to reach it.
+    memd = memd_from_env() if local_world == 1 and _device_of(objects) is None else None
+    direct = memd is not None
     reply, frame = fetch(link, RestoreRequest(job_id, None, local_world, first_rank, direct=direct), on_wait)
     found_step = reply.checkpoint.step if reply.found else -1
     agreed = agree(found_step)
@@ -216,15 +221,19 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
                                    hint="run again: it restores the newest checkpoint then")
         return again.fds[0]
 
-    def read_span(start: int, stop: int, fd: int, at: int, keep: bool) -> concurrent.futures.Future[Frame]:
-        request = ReadRequest(job_id, step, reply.checkpoint.committed_at, start, stop, at, keep)
-        return link.request(Kind.READ_INTO, request.to_body(), fds=[fd])
+    def read_spans(spans: list[tuple[int, int]], into: Scatter) -> None:
+        """Spans of the replicated state from dash-memd, as the agent would read them for the node's image."""
+        info = reply.checkpoint
+        extents = [e for start, stop in spans for e in replicated_span(info, start, stop, start)]
+        # On the rank's own CPUs (as the launcher or the user placed it), not every CPU as dash-agent's would.
+        streams = min(DIRECT_STREAMS, max(2, len(os.sched_getaffinity(0))))
+        Planner([MemdSource(memd, streams=streams, waited_on=lambda: False)]).read(info, extents, into)
 
     try:
         load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world, owners=owners,
-             read_pieces=read_pieces, stats=stats, read_span=read_span)
-    except (UnavailableError, ProtocolError, ChecksumError, NotFoundError) as e:
-        if not reply.direct:
+             read_pieces=read_pieces, stats=stats, read_spans=read_spans if direct else None)
+    except DashError as e:
+        if not reply.direct or isinstance(e, UsageError):
             raise
         # The checkpoint is loaded again whole from the node's image, which then holds the replicated state.
         log.warning("dashrun: reading step %d straight into this rank's tensors failed (%s): loading it from "
@@ -244,7 +253,7 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
 def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Collection[str], *,
          job_id: str, rank: int, world: int, read_pieces: Callable[[list[tuple[int, int, int]]], int],
          owners: Mapping[str, torch.nn.Module] | None = None, stats: dict[str, int] | None = None,
-         read_span: Callable[..., concurrent.futures.Future[Frame]] | None = None) -> None:
+         read_spans: Callable[[list[tuple[int, int]], Scatter], None] | None = None) -> None:
     """Load the image in ``fd`` that ``reply`` describes into ``objects``, and this rank's RNG states.
 
     Module parameters and buffers are copied into the module's own (already allocated) tensors. Other
@@ -256,9 +265,8 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     now, ``read_pieces(ranges)`` makes the agent read those byte ranges of the saved pieces into the image
     (returning a descriptor of it), and they are copied into place (see :mod:`dashrun.rank.sharded`).
 
-    When the reply says ``direct``, the image lacks the replicated state: it is read with
-    ``read_span(start, stop, fd, at, keep)`` (a READ_INTO) straight into the tensors the objects have (see
-    :func:`read_direct`).
+    When the reply says ``direct``, the image lacks the replicated state: ``read_spans(spans, into)`` reads
+    it straight into the tensors the objects have (see :func:`read_direct`).
     """
     owners = owners or {}
     info, tails = reply.checkpoint, reply.tails
@@ -275,13 +283,13 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
                               "storage_reader=dashrun.dcp.Reader())")
     leaves = None
     if reply.direct:
-        if read_span is None:
+        if read_spans is None:
             raise ProtocolError("dash-agent left out the replicated state of a rank that cannot read it")
         rep = meta["replicated"]
         targets = in_place_targets(rep["tree"], rep["tensors"],
                                    {name: obj for name, obj in objects.items()
                                     if name not in per_rank and name not in owners})
-        leaves = read_direct(rep["tensors"], targets, info.rep_total, read_span)
+        leaves = read_direct(rep["tensors"], targets, info.rep_total, read_spans)
     replicated = decode_replicated(region, mapped, info, tails, copy=False, rank=rank, leaves=leaves)
     private = decode_private(region, mapped, info, tails, rank) if rank < info.world else None
     report_world_change(info, rank, world, per_rank)

@@ -12,7 +12,6 @@ frame                 request (rank -> agent)                    reply (agent ->
 SNAPSHOT (+ segment)  :class:`SnapshotRequest`                   :class:`SnapshotReply`
 PROGRESS              :class:`Progress` (one-way)                -
 RESTORE               :class:`RestoreRequest`                    :class:`RestoreReply` (+ image)
-READ_INTO (+ segment) :class:`ReadRequest`                       ``{}`` (the bytes are in place)
 WAIT                  :class:`WaitRequest`                       :class:`WaitReply`
 PING                  ``{}``                                     ``{"pid": ...}``
 ====================  =========================================  ===============================
@@ -36,15 +35,13 @@ from dashrun.wire.protocol import (
     field_step,
 )
 
-__all__ = ["MAX_RANGES", "MAX_READ", "MAX_WAIT", "Progress", "ReadRequest", "RestoreReply", "RestoreRequest",
-           "SnapshotReply", "SnapshotRequest", "WaitReply", "WaitRequest"]
+__all__ = ["MAX_RANGES", "MAX_WAIT", "Progress", "RestoreReply", "RestoreRequest", "SnapshotReply", "SnapshotRequest",
+           "WaitReply", "WaitRequest"]
 
 #: Longest a WAIT may block.
 MAX_WAIT = 3600.0
 #: Most byte ranges one RESTORE may ask for besides the node's parts.
 MAX_RANGES = 16384
-#: Most bytes one READ_INTO may ask for.
-MAX_READ = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +132,8 @@ class RestoreRequest:
     than :data:`MAX_RANGES` go in several requests, every one but the last with ``more``: the image stays for
     the next (it is not yet the rank's).
 
-    ``direct``: the rank would rather read the replicated state itself, straight into the tensors it has
-    (:class:`ReadRequest`), than map it from the image: the reply says whether the image leaves it out.
+    ``direct``: the rank would rather read the replicated state from dash-memd itself, straight into the
+    tensors it has, than map it from the image: the reply says whether the image leaves it out.
     """
 
     job: str
@@ -186,7 +183,7 @@ class RestoreRequest:
 class RestoreReply:
     """``found``: the image's descriptor is attached, laid out as :mod:`dashrun.wire.image` says, with each
     saved rank's tail at ``tails[rank]``. ``direct``: the image holds the tails only; the rank reads the
-    replicated state with :class:`ReadRequest`."""
+    replicated state from dash-memd itself."""
 
     found: bool
     checkpoint: CheckpointInfo | None = None
@@ -214,38 +211,6 @@ class RestoreReply:
                 and all(type(t) is int and 0 <= t <= MAX_BYTES for t in tails)):
             raise ProtocolError("field 'tails' must give one offset per saved rank")
         return cls(found=True, checkpoint=info, tails=tuple(tails), direct=field_bool(body, "direct", default=False))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadRequest:
-    """Read bytes ``[start, stop)`` of the replicated state of ``step`` of ``job`` (the checkpoint committed at
-    ``committed_at``: another is refused) into the shared-memory segment attached, at offset ``at``.
-
-    A rank restoring straight into the tensors it has reads the replicated state piece by piece through a few
-    such buffers, reused (``keep``: the agent may keep the segment mapped for the next), and the rest straight
-    into the segment its new tensors are views of (read into once: mapped for this read only, and a mapping
-    kept of it before is let go).
-    """
-
-    job: str
-    step: int
-    committed_at: float
-    start: int
-    stop: int
-    at: int = 0
-    keep: bool = False
-
-    def to_body(self) -> dict[str, Any]:
-        return {"job": self.job, "step": self.step, "committed_at": self.committed_at, "start": self.start,
-                "stop": self.stop, "at": self.at, "keep": self.keep}
-
-    @classmethod
-    def from_body(cls, body: dict) -> ReadRequest:
-        start = field_int(body, "start", 0, MAX_BYTES)
-        return cls(job=field_job(body), step=field_step(body),
-                   committed_at=field_float(body, "committed_at", 0.0, 1e11),
-                   start=start, stop=field_int(body, "stop", start, start + MAX_READ),
-                   at=field_int(body, "at", 0, MAX_BYTES), keep=field_bool(body, "keep", default=False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError
+from dashrun import env
+from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, UnavailableError
+from dashrun.util.tokens import read_token
+from dashrun.util.units import parse_address
 from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import (
@@ -34,7 +37,7 @@ from dashrun.wire.messages import (
 from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind
 from dashrun.wire.tls import TlsSettings, connect
 
-__all__ = ["MemdClient", "StoreTimeoutError"]
+__all__ = ["MemdClient", "StoreTimeoutError", "memd_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -373,3 +376,20 @@ def _token(value: Any, low: int = 1) -> int:
     if type(value) is not int or not low <= value <= MAX_STEP:
         raise ProtocolError("malformed token or generation in a reply")
     return value
+
+
+def memd_from_env() -> Callable[[], MemdClient] | None:
+    """New clients of dash-memd as dashrun's launcher tells the ranks it (``DASH_MEMD``, ``DASH_TOKEN_FILE``,
+    ``DASH_NO_TLS``, ``DASH_TLS_CA``); None where they do not say or the token cannot be read."""
+    address, token_file = env.get(env.MEMD), env.get(env.TOKEN_FILE)
+    if not address or not token_file:
+        return None
+    try:
+        host, port = parse_address(address, default_port=env.DEFAULT_PORT, what="memd")
+        token = read_token(token_file)
+        tls = TlsSettings.from_options(env.get(env.NO_TLS) == "1", env.get(env.TLS_CA))
+    except (DashError, OSError, ValueError) as e:
+        log.warning("dashrun: cannot reach dash-memd as %s=%s says (%s)", env.MEMD.name, address, e)
+        return None
+    return lambda: MemdClient(host, port, token, tls=tls)
+

@@ -16,12 +16,17 @@ arrived there (:mod:`dashrun.wire.blocks`); from its disk or the bucket, the
 shard was checked whole as it was read back. A piece that fails is asked for
 again (:meth:`~dashrun.wire.memd_client.MemdClient.get_shard_checked_into`).
 
-Used by dash-agent for a node's restores, and by :class:`dashrun.dcp.Reader`
-where no agent runs.
+The image is one buffer (a node's shared memory), or a :class:`Scatter`: byte
+ranges that each land in memory of their own, as when the only rank of a node
+reads the replicated state straight into its tensors.
+
+Used by dash-agent for a node's restores, by the only rank of a node for its
+replicated state (:mod:`dashrun.rank.direct`), and by :class:`dashrun.dcp.Reader`.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import os
@@ -33,8 +38,8 @@ from dashrun.errors import ProtocolError
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Source", "every_cpu", "pieces", "replicated_span",
-           "wanted", "widen_once"]
+__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Scatter", "Source", "every_cpu", "pieces",
+           "replicated_span", "wanted", "widen_once"]
 
 #: Largest byte range read in one request from dash-memd: small enough to spread one shard over every
 #: stream, large enough that a request's round trip is lost in its transfer.
@@ -117,6 +122,36 @@ def replicated_span(info: CheckpointInfo, start: int, stop: int, at: int = 0) ->
     return extents
 
 
+class Scatter:
+    """An image that is not one buffer: ``places`` are (offset, memory), sorted and apart, and the bytes at
+    each place's offset onwards land in its memory."""
+
+    def __init__(self, places: Sequence[tuple[int, memoryview]]):
+        self.starts = [at for at, _ in places]
+        self.places = [memoryview(view).cast("B") for _, view in places]
+        if any(at + len(view) > following for at, view, following in zip(self.starts, self.places,
+                                                                           self.starts[1:])):
+            raise ProtocolError("places of a scatter overlap")
+
+    def views(self, start: int, stop: int) -> list[memoryview]:
+        """The memory of bytes ``[start, stop)``, in order; ProtocolError where places do not cover them."""
+        views, at = [], start
+        index = bisect.bisect_right(self.starts, start) - 1
+        while at < stop:
+            base = self.starts[index] if 0 <= index < len(self.places) else at + 1
+            if not base <= at < base + len(self.places[index]):
+                raise ProtocolError(f"bytes [{at}, {stop}) have no place to go")
+            views.append(self.places[index][at - base:min(stop - base, len(self.places[index]))])
+            at += len(views[-1])
+            index += 1
+        return views
+
+
+def _views_of(image: memoryview | Scatter, start: int, stop: int) -> list[memoryview]:
+    """Where bytes ``[start, stop)`` of ``image`` go."""
+    return image.views(start, stop) if isinstance(image, Scatter) else [image[start:stop]]
+
+
 class Source(Protocol):
     """A holder of checkpoint bytes."""
 
@@ -124,7 +159,7 @@ class Source(Protocol):
 
     def holds(self, info: CheckpointInfo, extent: Extent) -> bool: ...
 
-    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview) -> None: ...
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview | Scatter) -> None: ...
 
 
 class NodeCopy:
@@ -138,7 +173,7 @@ class NodeCopy:
     def holds(self, info: CheckpointInfo, extent: Extent) -> bool:
         return extent in self.held
 
-    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview) -> None:
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview | Scatter) -> None:
         pass  # already in place
 
 
@@ -160,7 +195,7 @@ class MemdSource:
     def holds(self, info: CheckpointInfo, extent: Extent) -> bool:
         return True  # the checkpoint is committed: dash-memd has every byte of it in one of its tiers
 
-    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview) -> None:
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview | Scatter) -> None:
         pieces: queue.SimpleQueue[Extent] = queue.SimpleQueue()
         count = 0
         for extent in extents:
@@ -180,8 +215,8 @@ class MemdSource:
                         except queue.Empty:
                             return
                         client.get_shard_checked_into(info.job, info.step, piece.rank,
-                                                      [image[piece.at:piece.at + piece.nbytes]], offset=piece.start,
-                                                      committed_at=info.committed_at)
+                                                      _views_of(image, piece.at, piece.at + piece.nbytes),
+                                                      offset=piece.start, committed_at=info.committed_at)
             except BaseException as e:  # the first failure stops every stream, and is raised
                 failures.append(e)
 
@@ -224,7 +259,7 @@ class Planner:
     def __init__(self, sources: Sequence[Source]):
         self.sources = list(sources)
 
-    def read(self, info: CheckpointInfo, extents: Iterable[Extent], image: memoryview) -> dict[str, int]:
+    def read(self, info: CheckpointInfo, extents: Iterable[Extent], image: memoryview | Scatter) -> dict[str, int]:
         """Fill ``image`` with ``extents``; returns the bytes each source served, by name."""
         plan: dict[int, list[Extent]] = {}
         for extent in extents:

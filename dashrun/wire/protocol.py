@@ -112,7 +112,6 @@ class Kind(enum.IntEnum):
     STORE_NUM_KEYS = 55
     STORE_DELETE_PREFIX = 56
     RESHAPE = 35        # the world changes at a checkpoint (a node joins): launcher -> agent, pushed on to ranks
-    READ_INTO = 36      # bytes of a committed checkpoint's replicated state into the rank's segment (fd attached)
 
 
 @dataclasses.dataclass(frozen=True)

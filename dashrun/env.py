@@ -31,8 +31,9 @@ class Var:
     read_by: str
 
 
-MEMD = Var("DASH_MEMD", "HOST:PORT of dash-memd", "user", "dashrun, dash-agent")
-TOKEN_FILE = Var("DASH_TOKEN_FILE", "file holding the cluster's shared token", "user", "dashrun, dash-agent, dash-memd")
+MEMD = Var("DASH_MEMD", "HOST:PORT of dash-memd", "user", "dashrun, dash-agent, ranks")
+TOKEN_FILE = Var("DASH_TOKEN_FILE", "file holding the cluster's shared token", "user",
+                 "dashrun, dash-agent, dash-memd, ranks")
 JOB_ID = Var("DASH_JOB_ID", "the job's stable id; a relaunch with the same id resumes", "user, dashrun",
              "dashrun, ranks")
 FRESH = Var("DASH_FRESH", "'1': delete the job's earlier checkpoints and start from step 0", "user", "dashrun")
@@ -74,14 +75,14 @@ SHUTDOWN_TIMEOUT = Var("DASH_SHUTDOWN_TIMEOUT", "seconds dash-memd gets to finis
 READY_FILE = Var("DASH_READY_FILE", "file dash-memd writes HOST:PORT to once it listens", "dashrun, tests", "dash-memd")
 TOKEN_OUT = Var("DASH_TOKEN_OUT", "where 'dash-memd token' writes a new token", "user", "dash-memd token")
 NO_TLS = Var("DASH_NO_TLS", "'1': plaintext TCP to and at dash-memd instead of TLS (every end must say so)", "user",
-             "dashrun, dash-agent, dash-memd")
+             "dashrun, dash-agent, dash-memd, ranks")
 NO_PREFETCH = Var("DASH_NO_PREFETCH", "'1': dash-agent waits for a rank's restore() before fetching the job's "
                   "newest checkpoint", "user", "dash-agent")
 TLS_CERT = Var("DASH_TLS_CERT", "dash-memd's TLS certificate, PEM (default: an ephemeral self-signed one)", "user",
                "dash-memd")
 TLS_KEY = Var("DASH_TLS_KEY", "the key of --tls-cert, PEM (default: in the certificate's file)", "user", "dash-memd")
 TLS_CA = Var("DASH_TLS_CA", "CA certificates to also verify dash-memd's certificate and host name with", "user",
-             "dashrun, dash-agent")
+             "dashrun, dash-agent, ranks")
 AGENT_CPUS = Var("DASH_AGENT_CPUS", "CPUs for dash-agent, kept from the ranks: auto, none or a list like 6-7", "user",
                  "dashrun")
 ELASTIC = Var("DASH_ELASTIC", "'1': the job's world may change; a rank whose node stays restarts at the new size "

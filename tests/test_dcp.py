@@ -240,6 +240,8 @@ def test_more_ranges_than_one_request_holds_are_read_in_batches_into_one_image(m
     _assert_equal(state, loaded)
     assert [(len(r.ranges), r.more) for r in requests] == [(16, True), (16, True), (8, False)]
     assert reader.bytes_read == sum(t.nbytes for t in state.values())
+    with open("/proc/self/maps") as maps:
+        assert "dashrun-restore-dcp-batches" not in maps.read()  # the image is let go once the load has it
     requests.clear()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     loaded = _zeros_like(state)

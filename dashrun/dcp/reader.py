@@ -75,7 +75,7 @@ class Reader(Connected, StorageReader):
         if self._target.memd is None:
             raise UsageError("dashrun.dcp.Reader does not know where dash-memd is",
                              hint="pass memd='HOST:PORT' and token_file=..., or run under dashrun (it sets DASH_MEMD)")
-        self._image: tuple[Any, list[int]] | None = None  # (the node's image mapped, each saved rank's tail)
+        self._image: tuple[memoryview, list[int]] | None = None  # (the node's image mapped, each saved rank's tail)
         self.step = None if step is None else step_of(int(step))
         self.info: CheckpointInfo | None = None
         self.metadata: Metadata | None = None
@@ -141,10 +141,11 @@ class Reader(Connected, StorageReader):
             ranges += [(where.rank, where.start + start, where.start + end) for start, end in windows]
         return ranges
 
-    def _agent_image(self, ranges: list[tuple[int, int, int]]) -> tuple[Any, list[int]]:
+    def _agent_image(self, ranges: list[tuple[int, int, int]]) -> tuple[memoryview, list[int]]:
         """The node's dash-agent reads ``ranges`` from dash-memd into the node's image of this step (one fetch
-        for the node's ranks, over several streams), mapped here."""
-        from dashrun.rank.restore import fetch_ranges, first_local_rank
+        for the node's ranks, over several streams), mapped here: the whole of it in one call, not a page
+        fault per page as the ranges are copied out."""
+        from dashrun.rank.restore import fetch_ranges, first_local_rank, populate
         from dashrun.wire.agent_link import AgentLink
         from dashrun.wire.agent_messages import RestoreRequest
 
@@ -164,12 +165,18 @@ class Reader(Connected, StorageReader):
             mapped = mmap.mmap(frame.fds[0], os.fstat(frame.fds[0]).st_size, prot=mmap.PROT_READ)
         finally:
             frame.close_fds()
-        return mapped, list(reply.tails)
+        by_rank: dict[int, list[tuple[int, int]]] = {}
+        for rank, start, stop in ranges:
+            by_rank.setdefault(rank, []).append((start, stop))
+        for rank, runs in by_rank.items():  # the agent refused ranks the checkpoint does not have
+            for start, stop in joined(runs, MAX_GAP):
+                populate(mapped, reply.tails[rank] + stop, reply.tails[rank] + start)
+        return memoryview(mapped), list(reply.tails)  # unmapped once the view is released
 
     def _drop_image(self) -> None:
         if self._image is not None:
-            mapped, self._image = self._image[0], None
-            mapped.close()
+            view, self._image = self._image[0], None
+            view.release()
 
     def _where(self, item) -> Where:
         where = self.metadata.storage_data.get(item.storage_index)
@@ -241,7 +248,7 @@ class Reader(Connected, StorageReader):
         if self._image is not None:  # the node's dash-agent put it in the image (see _agent_image)
             mapped, tails = self._image
             start = tails[where.rank] + where.start + offset
-            view[:] = mapped[start:start + len(view)]
+            view[:] = mapped[start:start + len(view)]  # a view of the mapping: one copy, no bytes object
         else:  # through the restore's source planner, as the agent reads (dash-memd's RAM, disk or bucket)
             start = where.start + offset
             tails = [-start] * len(self.info.shards)  # where each saved rank's private part would begin in view

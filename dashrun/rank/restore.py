@@ -47,7 +47,7 @@ from dashrun.wire.planner import MemdSource, Planner, Scatter, replicated_span
 from dashrun.wire.protocol import Kind
 
 __all__ = ["RESTORE_TIMEOUT", "agree", "decode_private", "decode_replicated", "fetch", "first_local_rank", "load",
-           "report_world_change",
+           "populate", "report_world_change",
            "restore_rng", "restore_state", "saved_pieces"]
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     size = os.fstat(fd).st_size
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: never alters the image
     if not reply.direct:
-        _populate(mapped, info.rep_total)
+        populate(mapped, info.rep_total)
     region = torch.frombuffer(mapped, dtype=torch.uint8)
     meta = image.meta(mapped, info, tails, 0)
     if "dcp" in meta:
@@ -382,10 +382,14 @@ def _reshard(described: Sequence[Any], replicated: dict[str, Any], mapped, info:
         stats["sharded_read"] = sum(stop - start for _, start, stop in ranges)
 
 
-def _populate(mapped: mmap.mmap, nbytes: int) -> None:
-    """Map the image's first ``nbytes`` in one call rather than one page fault per page as they are read."""
+def populate(mapped: mmap.mmap, stop: int, start: int = 0) -> None:
+    """Map bytes ``[start, stop)`` of the image in one call rather than one page fault per page as they are
+    read."""
+    start -= start % mmap.PAGESIZE
+    stop = min(stop, len(mapped))
     try:
-        mapped.madvise(MADV_POPULATE_READ, 0, nbytes - nbytes % mmap.PAGESIZE)
+        if stop > start:
+            mapped.madvise(MADV_POPULATE_READ, start, stop - start)
     except (OSError, ValueError):  # before Linux 5.14: the pages fault in as they are read
         pass
 

@@ -143,8 +143,8 @@ class Reader(Connected, StorageReader):
 
     def _agent_image(self, ranges: list[tuple[int, int, int]]) -> tuple[memoryview, list[int]]:
         """The node's dash-agent reads ``ranges`` from dash-memd into the node's image of this step (one fetch
-        for the node's ranks, over several streams), mapped here: the whole of it in one call, not a page
-        fault per page as the ranges are copied out."""
+        for the node's ranks, over several streams), mapped here: each run of the ranges in one call, not a
+        page fault per page as they are copied out."""
         from dashrun.rank.restore import fetch_ranges, first_local_rank, populate
         from dashrun.wire.agent_link import AgentLink
         from dashrun.wire.agent_messages import RestoreRequest

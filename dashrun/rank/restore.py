@@ -194,8 +194,8 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
     first_rank = first_local_rank(rank, local_rank)
     # A node of several ranks downloads the state once, into the image they all map; the only rank of a CPU
     # node reads it from dash-memd itself, where the launcher said how to reach it.
-    memd = memd_from_env() if local_world == 1 and _device_of(objects) is None else None
-    direct = memd is not None
+    connect = memd_from_env() if local_world == 1 and _device_of(objects) is None else None
+    direct = connect is not None
     reply, frame = fetch(link, RestoreRequest(job_id, None, local_world, first_rank, direct=direct), on_wait)
     found_step = reply.checkpoint.step if reply.found else -1
     agreed = agree(found_step)
@@ -227,7 +227,7 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
         extents = [e for start, stop in spans for e in replicated_span(info, start, stop, start)]
         # On the rank's own CPUs (as the launcher or the user placed it), not every CPU as dash-agent's would.
         streams = min(DIRECT_STREAMS, max(2, len(os.sched_getaffinity(0))))
-        Planner([MemdSource(memd, streams=streams, waited_on=lambda: False)]).read(info, extents, into)
+        Planner([MemdSource(connect, streams=streams, waited_on=lambda: False)]).read(info, extents, into)
 
     try:
         load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world, owners=owners,

@@ -73,7 +73,7 @@ class Target:
                              hint=f"pass memd='HOST:PORT' and token_file=..., or set {env.MEMD.name} and "
                                   f"{env.TOKEN_FILE.name}" + (", or run under dashrun" if use_agent else ""))
         if tls is None:
-            tls = TlsSettings.from_options(env.get(env.NO_TLS) == "1", env.get(env.TLS_CA))
+            tls = TlsSettings.from_env()
         generation = env.get(env.GENERATION, "0")
         return cls(job, tuple(address) if address is not None else None, token_file, tls, agent,
                    int(generation) if generation.isdigit() else 0)

@@ -133,21 +133,14 @@ def scatter(plan: Sequence[tuple[int, int, torch.Tensor]]) -> tuple[list[tuple[i
     # Leaves lie a few bytes of alignment apart: one read across them, not a request per leaf.
     spans = sharded.joined([(offset, offset + nbytes) for offset, nbytes, _ in plan], gap=JOIN_GAP)
     places: list[tuple[int, memoryview]] = []
-    gaps: list[tuple[int, int]] = []
     end = None
     for offset, nbytes, flat in plan:
         if end is not None and offset < end:
             raise ProtocolError("two saved tensors overlap in the replicated state")
-        if end is not None and offset - end <= JOIN_GAP and offset > end:
-            gaps.append((end, offset - end))
+        if end is not None and 0 < offset - end <= JOIN_GAP:  # inside a span: the gap is read too
+            places.append((end, memoryview(bytearray(offset - end))))
         places.append((offset, bytes_of(flat)))
         end = offset + nbytes
-    scratch = memoryview(bytearray(sum(n for _, n in gaps)))
-    at = 0
-    for offset, nbytes in gaps:
-        places.append((offset, scratch[at:at + nbytes]))
-        at += nbytes
-    places.sort(key=lambda p: p[0])
     return spans, Scatter(places)
 
 

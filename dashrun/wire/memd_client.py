@@ -387,7 +387,7 @@ def memd_from_env() -> Callable[[], MemdClient] | None:
     try:
         host, port = parse_address(address, default_port=env.DEFAULT_PORT, what="memd")
         token = read_token(token_file)
-        tls = TlsSettings.from_options(env.get(env.NO_TLS) == "1", env.get(env.TLS_CA))
+        tls = TlsSettings.from_env()
     except (DashError, OSError, ValueError) as e:
         log.warning("dashrun: cannot reach dash-memd as %s=%s says (%s)", env.MEMD.name, address, e)
         return None

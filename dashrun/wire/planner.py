@@ -138,10 +138,10 @@ class Scatter:
         views, at = [], start
         index = bisect.bisect_right(self.starts, start) - 1
         while at < stop:
-            base = self.starts[index] if 0 <= index < len(self.places) else at + 1
-            if not base <= at < base + len(self.places[index]):
+            if not 0 <= index < len(self.places) or not 0 <= at - self.starts[index] < len(self.places[index]):
                 raise ProtocolError(f"bytes [{at}, {stop}) have no place to go")
-            views.append(self.places[index][at - base:min(stop - base, len(self.places[index]))])
+            base = self.starts[index]
+            views.append(self.places[index][at - base:stop - base])  # a slice past the place's end stops there
             at += len(views[-1])
             index += 1
         return views

@@ -31,6 +31,7 @@ import ssl
 import time
 from pathlib import Path
 
+from dashrun import env
 from dashrun.errors import AuthError, ErrorCode, ProtocolError, UnavailableError, UsageError
 from dashrun.wire.protocol import MAGIC, Kind, encode_body, encode_header
 
@@ -68,6 +69,11 @@ class TlsSettings:
     @classmethod
     def from_options(cls, no_tls: bool, tls_ca: str | os.PathLike | None) -> TlsSettings:
         return cls(plaintext=bool(no_tls), ca=Path(tls_ca).absolute() if tls_ca else None)
+
+    @classmethod
+    def from_env(cls) -> TlsSettings:
+        """The settings dashrun's launcher hands its ranks (``DASH_NO_TLS``, ``DASH_TLS_CA``)."""
+        return cls.from_options(env.get(env.NO_TLS) == "1", env.get(env.TLS_CA))
 
     def args(self) -> list[str]:
         """These settings as command-line options, for a process started with them."""

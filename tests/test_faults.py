@@ -367,9 +367,10 @@ def test_memd_killed_mid_restore_and_restarted(memd, tmp_path, reference, launch
 AGENT_MEMD_TIMEOUT = {"DASH_MEMD_TIMEOUT": "3"}
 
 
-def cut_and_restore(memd, job: str, out: Path, run: Launch, cut, restore) -> None:
+def cut_and_restore(memd, job: str, out: Path, run: Launch, cut, restore, hold: Path) -> None:
     """Cut the link while a shard is on its way, wait for the node to notice, restore it; check what dash-memd
-    shows all along: nothing partial, and checkpoints committed again after the cut."""
+    shows all along: nothing partial, and checkpoints committed again after the cut. The run holds its last
+    step while ``hold`` exists: it cannot finish before the link is back, however slow the machine."""
     wait_for(lambda: newest(memd, job) >= 0 or not run.running(), 180, "a first checkpoint", interval=0.2)
     cut()
     wait_for(lambda: receiving(memd, job) or not run.running(), 60, "a shard cut on its way", interval=0.05)
@@ -379,6 +380,7 @@ def cut_and_restore(memd, job: str, out: Path, run: Launch, cut, restore) -> Non
     assert run.running(), run.output()[-3000:]
     assert not set(partial) & set(committed(memd, job))
     restore()
+    hold.unlink()
     wait_for(lambda: newest(memd, job) > cut_at or not run.running(), 120, "a checkpoint after the cut",
              interval=0.2)
     assert run.finish() == 0, run.output()[-3000:]
@@ -389,12 +391,14 @@ def cut_and_restore(memd, job: str, out: Path, run: Launch, cut, restore) -> Non
 
 def test_link_cut_mid_stream_and_restored(memd, tmp_path, reference, launch):
     """On loopback, through a relay the test controls (runs everywhere)."""
-    out, job = tmp_path / "out", "relay-cut"
+    out, job, hold = tmp_path / "out", "relay-cut", tmp_path / "hold"
+    hold.touch()
     with Relay((memd.host, memd.port)) as relay:
         run = launch(dashrun_cmd(via(relay.address, memd), str(TRAIN), "--steps", str(REFERENCE_STEPS),
-                                 "--interval", "2", "--out", str(out), "--delay", "0.5", job=job),
+                                 "--interval", "2", "--out", str(out), "--delay", "0.5", "--hold-file", str(hold),
+                                 job=job),
                      env=AGENT_MEMD_TIMEOUT)
-        cut_and_restore(memd, job, out, run, lambda: relay.cut_after(10_000), relay.link_up)
+        cut_and_restore(memd, job, out, run, lambda: relay.cut_after(10_000), relay.link_up, hold)
     assert_identical(reference, out)
 
 
@@ -404,15 +408,17 @@ def test_link_cut_mid_stream_in_a_network_namespace(fleet_factory, memd_factory,
     node = fleet[0]
     memd = memd_factory("--listen", f"{fleet.host_address}:0")
     node.shape("256kbit")  # a shard (about 33 KiB) takes about a second on the wire: the cut lands in one
-    out, job = tmp_path / "out", "netns-cut"
+    out, job, hold = tmp_path / "out", "netns-cut", tmp_path / "hold"
+    hold.touch()
     run = launch(node.command(dashrun_cmd(memd, str(TRAIN), "--steps", str(REFERENCE_STEPS), "--interval", "2",
-                                          "--out", str(out), "--delay", "0.5", job=job)), env=AGENT_MEMD_TIMEOUT)
+                                          "--out", str(out), "--delay", "0.5", "--hold-file", str(hold), job=job)),
+                 env=AGENT_MEMD_TIMEOUT)
 
     def restore() -> None:
         node.link_up()
         node.shape(None)  # the backlog drains at once: the ranks' last snapshots are not skipped
 
-    cut_and_restore(memd, job, out, run, node.link_down, restore)
+    cut_and_restore(memd, job, out, run, node.link_down, restore, hold)
     assert_identical(reference, out)
 
 

@@ -84,6 +84,8 @@ def main():
     parser.add_argument("--early-interval", type=int, default=None, help="interval after an early warning")
     parser.add_argument("--stall-after", type=int, default=None,
                         help="after this step, stop calling save() and sleep (a long evaluation, a hang)")
+    parser.add_argument("--hold-file", default=None,
+                        help="before the last step, wait while this file exists (a test keeps the run going)")
     parser.add_argument("--stop-after", type=int, default=None,
                         help="end the run after this step, unfinished (its checkpoints committed)")
     parser.add_argument("--log-stats", action="store_true",
@@ -123,6 +125,9 @@ def main():
         log.write(f"start {start}\n")
         log.flush()
         for step in range(start, args.steps):
+            if args.hold_file and step == args.steps - 1:
+                while os.path.exists(args.hold_file):
+                    time.sleep(0.05)
             tokens, target = (t.to(device) for t in cursor.next())
             loss = nn.functional.cross_entropy(model(tokens), target) + 1e-3 * random.random()
             opt.zero_grad()

@@ -165,12 +165,9 @@ class Reader(Connected, StorageReader):
             mapped = mmap.mmap(frame.fds[0], os.fstat(frame.fds[0]).st_size, prot=mmap.PROT_READ)
         finally:
             frame.close_fds()
-        by_rank: dict[int, list[tuple[int, int]]] = {}
-        for rank, start, stop in ranges:
-            by_rank.setdefault(rank, []).append((start, stop))
-        for rank, runs in by_rank.items():  # the agent refused ranks the checkpoint does not have
-            for start, stop in joined(runs, MAX_GAP):
-                populate(mapped, reply.tails[rank] + stop, reply.tails[rank] + start)
+        tails = reply.tails  # one per saved rank: the agent refused ranks the checkpoint does not have
+        for start, stop in joined([(tails[rank] + a, tails[rank] + b) for rank, a, b in ranges], MAX_GAP):
+            populate(mapped, stop, start)
         return memoryview(mapped), list(reply.tails)  # unmapped once the view is released
 
     def _drop_image(self) -> None:

@@ -212,7 +212,10 @@ def _print_jobs(jobs: list[dict]) -> None:
     for job in jobs:
         for tier in ("disk", "object"):
             if job.get(f"{tier}_error"):
-                console.print(f"[red]{escape(job['job'])}: {tier} tier failing: {escape(job[f'{tier}_error'])}[/]")
+                failed = job.get(f"{tier}_failures")
+                console.print(f"[red]{escape(job['job'])}: {tier} tier failing: {escape(job[f'{tier}_error'])}"
+                              + (f" ({failed} failed since dash-memd started; tried again)" if failed else "")
+                              + "[/]", highlight=False)
         if job.get("quarantined"):
             copies = "1 disk copy" if job["quarantined"] == 1 else f"{job['quarantined']} disk copies"
             console.print(f"[yellow]{escape(job['job'])}: {copies} failed their checksum, moved to quarantine/ in "

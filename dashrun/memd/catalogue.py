@@ -159,9 +159,15 @@ class Catalogue:
                 log.info("%s step %d: receiving (%d ranks)", header.job, header.step, header.world)
             try:
                 buffer = self.retention.reserve(header.nbytes, entry)
-            except NoSpaceError:
+            except NoSpaceError as e:
                 self._drop_if_empty(entry)
-                raise
+                failing = sorted(set(self.disk_writer.failures.values()))
+                if failing:  # the disk is not slow but failing: say so, not "a faster disk"
+                    raise NoSpaceError(f"dash-memd's RAM is full of checkpoints its disk writes failed to save "
+                                       f"({'; '.join(failing)}); this checkpoint is refused, the previous one "
+                                       "stays valid", hint="free space in dash-memd's --data-dir (or mend its "
+                                       "disk): the writes are tried again") from None
+                raise e
             entry.arriving.add(header.rank)
             entry.touched = time.monotonic()
             return Ticket(entry, header, buffer)
@@ -251,7 +257,28 @@ class Catalogue:
         return self.disk_writer.persist_next(timeout)
 
     def pending_disk_writes(self) -> int:
+        """Committed checkpoints held in RAM alone, not superseded by a newer one on disk."""
         return self.disk_writer.pending()
+
+    def unwritten_report(self) -> list[str]:
+        """One line per job whose committed checkpoints are in RAM alone: the steps a stop now loses, and what
+        of the job is kept (on disk, in the bucket)."""
+        by_job: dict[str, list[int]] = {}
+        for entry in self.disk_writer.unwritten():
+            by_job.setdefault(entry.job, []).append(entry.step)
+        lines = []
+        with self._cond:
+            for job, steps in sorted(by_job.items()):
+                kept = self.ledger.committed.get(job, {})
+                on_disk = max((s for s, e in kept.items() if "disk" in e.tiers), default=None)
+                in_bucket = max((s for s, e in kept.items() if "object" in e.tiers), default=None)
+                where = f"the newest on disk is step {on_disk}" if on_disk is not None else "none is on disk"
+                if self.objects is not None:
+                    where += (f", the newest in the bucket step {in_bucket}" if in_bucket is not None
+                              else ", none is in the bucket")
+                lines.append(f"{job}: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
+                             f"{'are' if len(steps) > 1 else 'is'} in RAM only and lost with this stop; {where}")
+        return lines
 
     def verify_next(self) -> bool:
         """Check the next shard file listed at start against its CRC-32C; False once all are checked."""
@@ -451,6 +478,7 @@ class Catalogue:
             "checkpoints": checkpoints,
             "receiving": sorted(s for (j, s) in self.ledger.receiving if j == job),
             "disk_error": self.disk_writer.failure(job),
+            "disk_failures": self.disk_writer.failure_count(job),
             "object_error": self.uploader.failure(job) if self.uploader is not None else None,
             "quarantined": self.disk.quarantined.get(job, 0),
             "bad_ram": self.ledger.bad_ram.get(job, 0),

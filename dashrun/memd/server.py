@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: Pause after a failed accept (out of descriptors, say) before the next.
 ACCEPT_PAUSE = 0.05
+#: Pause of the disk writer's loop after an error it did not foresee, so that a lasting one does not spin.
+DISK_LOOP_PAUSE = 0.5
 #: Longest a WAIT request may block.
 MAX_WAIT = 3600.0
 #: File in the data dir that a running dash-memd holds locked (and writes its pid to).
@@ -159,9 +161,8 @@ class MemdServer:
         deadline = time.monotonic() + self.config.shutdown_timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        left = self.catalogue.pending_disk_writes()
-        if left:
-            log.warning("%d committed checkpoints were not written to disk before shutdown", left)
+        for line in self.catalogue.unwritten_report():  # tried for --shutdown-timeout: what is lost, by name
+            log.error("%s", line)
         if self.catalogue.objects is not None:
             if self.catalogue.pending_uploads():
                 log.warning("%d uploads were not done before shutdown; the newest checkpoint of each job on disk "
@@ -169,11 +170,22 @@ class MemdServer:
             self.catalogue.objects.close()
 
     def _disk_loop(self) -> None:
+        problems = ProblemLog(log)
         while not self._stopping.is_set():  # between writes, the shards listed at start are checked one by one
-            self.catalogue.persist_next(timeout=0 if self.catalogue.verify_next() else 0.5)
+            try:
+                self.catalogue.persist_next(timeout=0 if self.catalogue.verify_next() else 0.5)
+                problems.ok("loop")
+            except Exception as e:  # no error may end the writer: nothing would reach the disk again
+                problems.problem("loop", type(e).__name__, "disk writer: internal error: %s", e,
+                                 level=logging.ERROR, exc_info=True)
+                self._stopping.wait(DISK_LOOP_PAUSE)
         deadline = time.monotonic() + self.config.shutdown_timeout
         while self.catalogue.pending_disk_writes() and time.monotonic() < deadline:
-            self.catalogue.persist_next(timeout=0.1)
+            try:
+                self.catalogue.persist_next(timeout=0.1)
+            except Exception:
+                log.exception("disk writer: internal error")
+                time.sleep(DISK_LOOP_PAUSE)
 
     def _object_loop(self) -> None:
         while not self._stopping.is_set():

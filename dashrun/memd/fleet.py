@@ -54,8 +54,10 @@ class FleetRequests:
         self.membership.load()
 
     def close(self) -> None:
-        """dash-memd is stopping: requests waiting for store keys return now."""
+        """dash-memd is stopping: requests waiting for store keys return now, and rendezvous state files a
+        failing disk kept behind RAM get a last try (the failure is logged if it persists)."""
         self.store.close()
+        self.rendezvous.flush()
 
     def delete_job(self, job: str) -> None:
         self.rendezvous.delete_job(job)

@@ -18,6 +18,12 @@ notices.
 Files are written outside the lock that guards the records (one write at a
 time, each of the records as they are then), so a check of a shard, which the
 catalogue makes under its own lock, never waits for a disk.
+
+A generation is raised in RAM only once the file with it is written: a save
+that fails (a full disk) fails the request and leaves the generation as it
+was, so the fence dash-memd applies is always the one a restart reads back
+and the one the launcher was told. An event whose save fails stays in the
+history in RAM and is written with the job's next change.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import logging
 import threading
 from pathlib import Path
+from typing import Iterable
 
 from dashrun.errors import ConflictError, NoSpaceError, ProtocolError
 from dashrun.util.boundedjson import loads_bounded
@@ -96,16 +103,27 @@ class Membership:
 
     def raise_generation(self, job: str, generation: int) -> int:
         """Raise ``job``'s generation to ``generation`` if that is higher; returns the job's generation, which
-        is on disk before this returns."""
-        with self._lock:
-            record = self._jobs.get(job)
-            current = record.generation if record else 0
-            if generation <= current:
-                return current
-            record = record or self._add(job)
-            record.generation = generation
+        is on disk before this returns. OSError if it cannot be written, and the generation is unchanged."""
+        # The write lock from the look to the change: no other save can come between them, so the record
+        # written is the one RAM then holds (an event recorded meanwhile waits to be written after it).
+        with self._write_lock:
+            with self._lock:
+                record = self._jobs.get(job)
+                current = record.generation if record else 0
+                if generation <= current:
+                    return current
+                record = record or self._add(job)  # generation 0, no events: reads as no record
+                body = _body(generation, record.events)
+            try:
+                self._write(job, body)
+            except OSError:
+                with self._lock:
+                    if not record.events and record.generation == 0 and self._jobs.get(job) is record:
+                        del self._jobs[job]  # added for this raise only
+                raise
+            with self._lock:
+                record.generation = generation
         log.info("%s: world generation %d", job, generation)
-        self._save(job)
         return generation
 
     def check_shard(self, header: ShardHeader) -> None:
@@ -151,14 +169,21 @@ class Membership:
 
     def _save(self, job: str) -> None:
         """Write ``job``'s record as it is now (remove its file if it has none); OSError if that fails."""
-        path = self.root / f"{job}.json"
         with self._write_lock:
             with self._lock:
                 record = self._jobs.get(job)
-                body = (None if record is None else
-                        {"generation": record.generation, "events": [e.to_body() for e in record.events]})
-            if body is None:
-                path.unlink(missing_ok=True)
-            else:
-                self.root.mkdir(parents=True, exist_ok=True)
-                write_atomic(path, json.dumps(body, separators=(",", ":")))
+                body = None if record is None else _body(record.generation, record.events)
+            self._write(job, body)
+
+    def _write(self, job: str, body: dict | None) -> None:
+        """Replace ``job``'s file with ``body``, or remove it (None); the write lock held."""
+        path = self.root / f"{job}.json"
+        if body is None:
+            path.unlink(missing_ok=True)
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(body, separators=(",", ":")))
+
+
+def _body(generation: int, events: Iterable[MembershipEvent]) -> dict:
+    return {"generation": generation, "events": [e.to_body() for e in events]}

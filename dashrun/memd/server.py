@@ -174,6 +174,7 @@ class MemdServer:
         while not self._stopping.is_set():  # between writes, the shards listed at start are checked one by one
             try:
                 self.catalogue.persist_next(timeout=0 if self.catalogue.verify_next() else 0.5)
+                self.fleet.rendezvous.flush()  # state files a failing disk left behind RAM, even with no new set
                 problems.ok("loop")
             except Exception as e:  # no error may end the writer: nothing would reach the disk again
                 problems.problem("loop", type(e).__name__, "disk writer: internal error: %s", e,

@@ -226,14 +226,21 @@ def test_rm_removes_every_copy_of_the_job_on_disk_also_one_the_catalogue_forgot(
     assert reborn.jobs() == []
 
 
-def test_a_late_duplicate_of_a_shard_is_refused_and_what_is_held_stays(cat):
+def test_a_copy_of_a_shard_whose_first_copy_still_arrives_replaces_it_and_a_late_duplicate_is_refused(cat):
     first, second = headers()
-    original = cat.begin_shard(first)
-    with pytest.raises(ConflictError, match="being received"):  # a retry while the first copy still arrives
-        cat.begin_shard(first)
+    ended = []
+    original = cat.begin_shard(first, cancel=lambda: ended.append("first"))
+    free = cat.ram.limit - cat.ram.used
+    # The agent's retry after its link dropped mid-shard: the stalled receive is ended at once, the copy taken.
+    again = cat.begin_shard(first)
+    assert ended == ["first"]
     payload = os.urandom(first.nbytes)
-    original.buffer[:first.nbytes] = payload
-    assert cat.finish_shard(original, crc32c(payload)) is False
+    again.buffer[:first.nbytes] = payload
+    original.buffer[:first.nbytes] = os.urandom(first.nbytes)
+    with pytest.raises(ConflictError, match="newer copy"):  # the first copy, should it still complete
+        cat.finish_shard(original, crc32c(original.buffer[:first.nbytes]))
+    assert cat.ram.limit - cat.ram.used == free  # its buffer went back
+    assert cat.finish_shard(again, crc32c(payload)) is False
     assert deliver(cat, second)[0] is True
     used = cat.ram.used
     with pytest.raises(ConflictError, match="already committed"):  # a zombie node's copy, after the commit

@@ -10,11 +10,13 @@ would be.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,8 +27,10 @@ from conftest import REFERENCE_STEPS, REPO, TRAIN, dashrun_cmd, kill_tree, wait_
 from netns import Relay
 from runs import assert_identical, last_step, starts
 
+from dashrun.errors import DashError
 from dashrun.memd.tiers.base import MANIFEST
 from dashrun.memd.tiers.disk import DiskTier
+from dashrun.wire.messages import ShardHeader
 from dashrun.wire import image
 
 pytestmark = pytest.mark.slow
@@ -400,6 +404,45 @@ def test_link_cut_mid_stream_and_restored(memd, tmp_path, reference, launch):
                      env=AGENT_MEMD_TIMEOUT)
         cut_and_restore(memd, job, out, run, lambda: relay.cut_after(10_000), relay.link_up, hold)
     assert_identical(reference, out)
+
+
+def test_a_shard_sent_again_after_its_link_went_silent_mid_shard_is_taken_at_once(memd):
+    """The first copy's connection stalls mid-shard (a silent cut: no reset, dash-memd's recv would wait out its
+    idle timeout); the agent's retry over a new connection is taken, and the step commits."""
+    header = ShardHeader("silent-cut", 9, 0, 2, 16 << 20, 0, 8 << 20, 0, 0, "ab" * 32)
+    payload = os.urandom(header.nbytes)
+    stalled, outcome, chunks = threading.Event(), {}, []
+
+    def first_copy():
+        def gate(offset):
+            chunks.append(offset)
+            if len(chunks) > 1:  # the first chunk went out; the rest never comes
+                stalled.set()
+                release.wait(60)
+        try:
+            with memd.client() as client:
+                client.put_shard(header, [payload], gate=gate)
+        except Exception as e:  # noqa: BLE001 (what the first copy's sender saw, asserted below)
+            outcome["error"] = e
+        else:
+            outcome["error"] = None
+
+    release = threading.Event()
+    sender = threading.Thread(target=first_copy)
+    sender.start()
+    try:
+        wait_for(stalled.is_set, 30, "the first copy to stall mid-shard")
+        with memd.client() as client:
+            assert client.put_shard(header, [payload])["committed"] is False  # taken, waiting for rank 1
+            rank1 = dataclasses.replace(header, rank=1, rep_start=8 << 20, rep_end=16 << 20)
+            assert client.put_shard(rank1, [os.urandom(rank1.nbytes)])["committed"]
+            got = bytearray(header.nbytes)
+            client.get_shard_into("silent-cut", 9, 0, [memoryview(got)])
+            assert bytes(got) == payload
+    finally:
+        release.set()
+        sender.join(60)
+    assert isinstance(outcome["error"], DashError)  # dash-memd hung up on the stalled copy
 
 
 def test_link_cut_mid_stream_in_a_network_namespace(fleet_factory, memd_factory, tmp_path, reference, launch):

@@ -179,6 +179,7 @@ class Open:
     run: int
     layout: int
     crc: int
+    replaced: bool = False  # a newer copy of the same shard was begun for the same checkpoint since
 
 
 class Lifecycle(RuleBasedStateMachine):
@@ -216,12 +217,13 @@ class Lifecycle(RuleBasedStateMachine):
         """Begin a shard and receive its bytes; None if dash-memd refused it as a duplicate."""
         try:
             ticket = self.cat.begin_shard(header(job, step, rank, layout))
-        except ConflictError:  # only a duplicate may be refused: of a shard in flight, or of a committed step
+        except ConflictError:  # only a duplicate of a committed step may be refused; one in flight replaces
             held = self.cat.ledger.committed.get(job, {}).get(step)
-            assert (held is not None and held.layout == LAYOUTS[layout]) or any(
-                (s.ticket.header.job, s.ticket.header.step, s.ticket.header.rank, s.layout) == (job, step, rank, layout)
-                and not s.ticket.entry.dropped for s in self.open), f"{job} step {step} rank {rank} refused"
+            assert held is not None and held.layout == LAYOUTS[layout], f"{job} step {step} rank {rank} refused"
             return None
+        for earlier in self.open:
+            if earlier.ticket.entry is ticket.entry and earlier.ticket.header.rank == rank:
+                earlier.replaced = True
         data = payload(job, self.run[job], step, rank, layout)
         ticket.buffer[:len(data)] = data
         shard = Open(ticket, self.run[job], layout, crc32c(data))
@@ -230,6 +232,10 @@ class Lifecycle(RuleBasedStateMachine):
 
     def finish(self, shard: Open) -> None:
         self.open.remove(shard)
+        if shard.replaced:  # the newer copy is the one taken; this one's bytes are not, whenever they complete
+            with pytest.raises(ConflictError, match="newer copy"):
+                self.cat.finish_shard(shard.ticket, shard.crc)
+            return
         if self.cat.finish_shard(shard.ticket, shard.crc):
             job, step = shard.ticket.header.job, shard.ticket.header.step
             self.alive[job].setdefault(step, set()).add((shard.run, shard.layout))
@@ -272,8 +278,8 @@ class Lifecycle(RuleBasedStateMachine):
 
     @rule(job=JOBS, step=STEPS, layout=st.sampled_from([0, 0, 1]))
     def retry_while_the_first_copy_arrives(self, job, step, layout):
-        """Rank 0's shard, and a retry of it while it is still being received; the step commits with the
-        first copy, then the retry is done."""
+        """Rank 0's shard, and a retry of it while it is still being received (its link died, say): the retry
+        replaces the first copy, and the step commits with it once every rank's shard is in."""
         copies = [s for s in (self.begin(job, step, 0, layout), self.begin(job, step, 0, layout)) if s is not None]
         if copies:
             self.finish(copies[0])

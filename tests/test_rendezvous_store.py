@@ -285,6 +285,37 @@ def test_a_shard_of_an_older_world_generation_is_refused_current_newer_and_unfen
             client.put_shard(header, [payload])
 
 
+def test_a_step_sent_by_two_worlds_commits_with_the_newer_worlds_shards_alone(memd):
+    """World 5's node dies while it sends step 9; world 6, of the same size, resumes and sends step 9 again."""
+    with memd.client() as client:
+        assert client.set_generation("worlds", 5) == 5
+        stale, payload = shard("worlds", 9, 5, rank=0, world=2)
+        assert not client.put_shard(stale, [payload])["committed"]
+        assert client.set_generation("worlds", 6) == 6  # the fence is raised before world 6 sends
+        newer = {rank: shard("worlds", 9, 6, rank=rank, world=2) for rank in (1, 0)}
+        assert not client.put_shard(newer[1][0], [newer[1][1]])["committed"]  # world 5's shard leaves the step
+        assert client.put_shard(newer[0][0], [newer[0][1]])["committed"]
+        info = client.latest("worlds")
+        assert info.step == 9 and [s.generation for s in info.shards] == [6, 6]
+        got = bytearray(256)
+        client.get_shard_into("worlds", 9, 0, [memoryview(got)])
+        assert bytes(got) == newer[0][1]
+
+
+def test_a_shard_of_a_newer_world_raises_the_fence_when_the_launchers_call_did_not(memd):
+    """The launcher's set_generation failed (a warning only): the newer world's shards raise the fence."""
+    with memd.client() as client:
+        old, payload = shard("unfenced", 9, 5, rank=0, world=2)
+        assert not client.put_shard(old, [payload])["committed"]
+        for rank in (1, 0):
+            header, payload = shard("unfenced", 9, 6, rank=rank, world=2)
+            committed = client.put_shard(header, [payload])["committed"]
+        assert committed and [s.generation for s in client.latest("unfenced").shards] == [6, 6]
+        late, payload = shard("unfenced", 10, 5, rank=1, world=2)  # a zombie of world 5
+        with pytest.raises(ConflictError, match="generation 5, the job is at 6"):
+            client.put_shard(late, [payload])
+
+
 # --- the membership history ---------------------------------------------------------------------------
 
 T0 = 1_790_000_000.0

@@ -59,13 +59,19 @@ __all__ = ["Catalogue", "Entry", "State", "Ticket"]
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Ticket:
-    """One shard being received into ``buffer``."""
+    """One shard being received into ``buffer``.
+
+    ``cancel``, set by the receiver, ends the receive at once (its connection's recv fails); called, with the
+    catalogue's lock held, when a newer copy of the shard, or a shard of a newer world, replaces this one.
+    """
 
     entry: Entry
     header: ShardHeader
     buffer: mmap.mmap
+    cancel: Callable[[], None] | None = None
+    replaced: str | None = None  # why this copy is no longer wanted, once a newer one replaced it
 
 
 class Catalogue:
@@ -128,10 +134,13 @@ class Catalogue:
 
     # --- receiving --------------------------------------------------------------------
 
-    def begin_shard(self, header: ShardHeader) -> Ticket:
-        """Reserve RAM for a shard about to arrive. Raises NoSpaceError if it cannot fit, ConflictError if the
-        same rank's shard of that step is being received or is committed already (a retry or a zombie node
-        sending it again: what dash-memd holds is not touched)."""
+    def begin_shard(self, header: ShardHeader, cancel: Callable[[], None] | None = None) -> Ticket:
+        """Reserve RAM for a shard about to arrive; ``cancel`` ends its receive (:class:`Ticket`). Raises
+        NoSpaceError if it cannot fit, ConflictError if the same rank's shard of that step is committed already
+        (a retry or a zombie node sending it again: what dash-memd holds is not touched) or the step is sent by
+        a newer world. A copy of a shard whose first copy still arrives replaces that receive: the first may
+        come over a link that died, whose receive would hold the step open until it timed out; a shard of a
+        newer world replaces the older world's shards of the step."""
         if header.nbytes > self.ram.limit:
             raise NoSpaceError(
                 f"a shard of {format_size(header.nbytes)} exceeds dash-memd's --memory-limit of "
@@ -150,11 +159,13 @@ class Catalogue:
                          header.job, header.step)
                 self.ledger.drop_receiving(entry)
                 entry = None
-            if entry is not None and header.rank in entry.arriving:
-                raise ConflictError(f"{header.job} step {header.step}: rank {header.rank}'s shard is being received "
-                                    "already; this copy is refused")
+            if entry is not None and header.generation < entry.generation:
+                raise ConflictError(f"{header.job} step {header.step}: a shard of world generation "
+                                    f"{header.generation}, while world {entry.generation} sends this step: this node "
+                                    "was cut off from the job", hint="its ranks restart in the job's new world")
             if entry is None:
-                entry = Entry(header.job, header.step, header.world, header.rep_total, header.layout)
+                entry = Entry(header.job, header.step, header.world, header.rep_total, header.layout,
+                              generation=header.generation)
                 self.ledger.receiving[key] = entry
                 log.info("%s step %d: receiving (%d ranks)", header.job, header.step, header.world)
             try:
@@ -168,9 +179,46 @@ class Catalogue:
                                        "stays valid", hint="free space in dash-memd's --data-dir (or mend its "
                                        "disk): the writes are tried again") from None
                 raise e
-            entry.arriving.add(header.rank)
+            if header.generation < entry.generation:  # a newer world came while the room was waited for
+                self.ram.release(buffer)
+                raise ConflictError(f"{header.job} step {header.step}: world generation {entry.generation} sends "
+                                    f"this step now, not {header.generation}", hint="its ranks restart in the "
+                                    "job's new world")
+            if header.generation > entry.generation:
+                self._newer_world(entry, header.generation)
+            stalled = entry.arriving.get(header.rank)
+            if stalled is not None:  # its first copy still arrives, maybe over a link that died: this one wins
+                log.info("%s step %d: a new copy of rank %d's shard replaces the one still arriving", header.job,
+                         header.step, header.rank)
+                self._replace(stalled, "a newer copy of the shard replaced it")
+            ticket = Ticket(entry, header, buffer, cancel)
+            entry.arriving[header.rank] = ticket
             entry.touched = time.monotonic()
-            return Ticket(entry, header, buffer)
+            return ticket
+
+    def _replace(self, ticket: Ticket, why: str) -> None:
+        """With the lock held: ``ticket``'s receive is no longer wanted; end it (its buffer goes back when its
+        receiver aborts or finishes)."""
+        ticket.replaced = why
+        if ticket.entry.arriving.get(ticket.header.rank) is ticket:
+            del ticket.entry.arriving[ticket.header.rank]
+        if ticket.cancel is not None:
+            ticket.cancel()
+
+    def _newer_world(self, entry: Entry, generation: int) -> None:
+        """With the lock held: a shard of world ``generation`` arrives for ``entry``, which holds shards of an
+        older world (whose nodes died or were cut off while they sent it): those leave it, so that a committed
+        checkpoint's shards are all of one world, and the newer world's shards are kept."""
+        stale = sorted(r for r, shard in entry.shards.items() if shard.generation < generation)
+        log.info("%s step %d: world generation %d sends it; the shards of world %d (ranks %s) leave it", entry.job,
+                 entry.step, generation, entry.generation, ", ".join(map(str, stale)) or "none yet")
+        for rank in stale:
+            del entry.shards[rank]
+            entry.marks.pop(rank, None)
+            self.ram.release(entry.buffers.pop(rank))
+        for ticket in [t for t in entry.arriving.values() if t.header.generation < generation]:
+            self._replace(ticket, f"world generation {generation} sends this step now")
+        entry.generation = generation
 
     def _drop_if_empty(self, entry: Entry) -> None:
         if entry.state == State.RECEIVING and not entry.shards and not entry.arriving and not entry.dropped:
@@ -178,7 +226,8 @@ class Catalogue:
 
     def abort_shard(self, ticket: Ticket) -> None:
         with self._cond:
-            ticket.entry.arriving.discard(ticket.header.rank)
+            if ticket.entry.arriving.get(ticket.header.rank) is ticket:
+                del ticket.entry.arriving[ticket.header.rank]
             self._drop_if_empty(ticket.entry)
         self.ram.release(ticket.buffer)
 
@@ -194,7 +243,11 @@ class Catalogue:
         if marks is not None:
             check_marks(marks, header.nbytes, crc)
         with self._cond:
-            entry.arriving.discard(header.rank)
+            if ticket.replaced is not None:
+                self.ram.release(ticket.buffer)
+                raise ConflictError(f"{entry.job} step {entry.step}: this copy of rank {header.rank}'s shard is not "
+                                    f"taken: {ticket.replaced}")
+            del entry.arriving[header.rank]
             if entry.dropped:
                 self.ram.release(ticket.buffer)
                 return False

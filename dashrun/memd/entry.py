@@ -60,7 +60,9 @@ class Entry:
     tiers: set[str] = dataclasses.field(default_factory=set)
     info: CheckpointInfo | None = None
     readers: int = 0
-    arriving: set[int] = dataclasses.field(default_factory=set)  # ranks whose shard is being received right now
+    #: rank -> the receive of its shard under way (a catalogue Ticket): a new copy of the shard replaces it
+    arriving: dict[int, object] = dataclasses.field(default_factory=dict)
+    generation: int = 0      # the world generation of its shards: one for all, the newest that sent any
     dropped: bool = False    # no longer in the catalogue; release buffers when unpinned
     touched: float = dataclasses.field(default_factory=time.monotonic)
 

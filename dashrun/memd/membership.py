@@ -66,9 +66,11 @@ class Membership:
 
     def __init__(self, root: Path):
         self.root = root
-        self._lock = threading.Lock()        # guards _jobs
+        self._lock = threading.Lock()        # guards _jobs and _sent
         self._write_lock = threading.Lock()  # one file write at a time
         self._jobs: dict[str, _Job] = {}
+        #: job -> the newest world generation a shard of it was announced with (in RAM alone, see check_shard)
+        self._sent: dict[str, int] = {}
 
     def load(self) -> None:
         """Read what an earlier dash-memd left; a file that cannot be read is skipped with a warning."""
@@ -127,10 +129,18 @@ class Membership:
         return generation
 
     def check_shard(self, header: ShardHeader) -> None:
-        """ConflictError if ``header`` is of a world generation older than its job's."""
+        """ConflictError if ``header`` is of a world generation older than its job's: the one the launcher set,
+        or a newer one a shard was announced with. A world that sends shards was formed by the rendezvous, so
+        its shards raise the fence by themselves: the fence never rests on the launcher's call alone, which a
+        failing disk or link may have refused (kept in RAM only: after a restart the launcher's call and the
+        shards of the world that lives raise it again)."""
         if header.generation == 0:
             return
-        current = self.generation(header.job)
+        with self._lock:
+            record = self._jobs.get(header.job)
+            current = max(record.generation if record else 0, self._sent.get(header.job, 0))
+            if header.generation > current:
+                self._sent[header.job] = header.generation
         if header.generation < current:
             raise ConflictError(f"shard of world generation {header.generation}, the job is at {current}: this "
                                 "node was cut off from the job",
@@ -156,6 +166,7 @@ class Membership:
         """Forget ``job``'s generation and history (``dashrun rm``)."""
         with self._lock:
             self._jobs.pop(job, None)
+            self._sent.pop(job, None)
         self._save(job)
 
     # --- plumbing ----------------------------------------------------------------------------

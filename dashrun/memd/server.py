@@ -303,7 +303,7 @@ class MemdServer:
         header = ShardHeader.from_body(frame.body)
         if frame.body.get("node") is not None:
             self.catalogue.node_seen(header.job, field_str(frame.body, "node", 255))
-        ticket = self.catalogue.begin_shard(header)
+        ticket = self.catalogue.begin_shard(header, cancel=lambda: _hang_up(ch))
         try:
             ch.send(Kind.OK, {"accept": True})
             data = ch.recv(max_data=header.nbytes)
@@ -393,6 +393,15 @@ class MemdServer:
 
     def _ping(self, ch: Channel, frame: Frame) -> None:
         ch.send(Kind.OK, {"pid": os.getpid()})
+
+
+def _hang_up(ch: Channel) -> None:
+    """End a connection from another thread: its recv in progress fails at once (a receive a newer copy of
+    its shard replaced, whose link may have died without a word)."""
+    try:
+        ch.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _refusal(error: OSError) -> DashError:

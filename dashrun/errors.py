@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 
 __all__ = ["AuthError", "BusyError", "ChecksumError", "ConflictError", "DashError", "ErrorCode", "ExitCode",
-           "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RemoteError", "UnavailableError",
-           "UsageError"]
+           "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RemoteError", "RestoreMismatchError",
+           "UnavailableError", "UsageError"]
 
 
 class ExitCode(enum.IntEnum):
@@ -22,7 +22,8 @@ class ExitCode(enum.IntEnum):
     #: Training failed (a rank exited non-zero and restarts were exhausted), or
     #: a daemon stopped on an error it could not recover from.
     FAILED = 1
-    #: Bad command line or configuration: nothing was started.
+    #: Bad command line or configuration: nothing was started, or nothing was trained (the job's checkpoint does
+    #: not fit the script: :class:`RestoreMismatchError`).
     USAGE = 2
     #: Preempted with the state safe in dash-memd: relaunch to resume.
     #: 75 is sysexits' EX_TEMPFAIL, which schedulers treat as "requeue".
@@ -66,6 +67,18 @@ class UsageError(DashError):
 
     code = ErrorCode.BAD_REQUEST
     exit_code = ExitCode.USAGE
+
+
+class RestoreMismatchError(UsageError):
+    """The job's checkpoint does not fit the state the script built: other shapes, keys or keyword objects.
+
+    The job id names an earlier run of another model or script (a derived id
+    is the script's path and arguments, not its contents). Raised by
+    ``Checkpointer.restore()`` on every rank; a rank that does not catch it
+    prints it as one line, and the launcher, which finds its class name in
+    torch's error file (``"RestoreMismatchError: ..."``), ends with one line
+    and exit code 2.
+    """
 
 
 class ProtocolError(DashError):

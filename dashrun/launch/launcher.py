@@ -32,7 +32,7 @@ from typing import Any
 
 from dashrun import env
 from dashrun.env import PreemptionRecord
-from dashrun.errors import AuthError, ExitCode, UnavailableError, UsageError
+from dashrun.errors import AuthError, ExitCode, RestoreMismatchError, UnavailableError, UsageError
 from dashrun.launch.options import LaunchOptions, apply_torchrun_defaults, options_from_args
 from dashrun.launch.placement import Placement, plan
 from dashrun.launch.preemption import PreemptionWatcher, report_preempted
@@ -42,7 +42,7 @@ from dashrun.util.cpus import thread_affinity
 from dashrun.util.retry import Backoff, retry
 from dashrun.util.tokens import read_token
 from dashrun.wire.memd_client import MemdClient
-from dashrun.wire.messages import JobSpec
+from dashrun.wire.messages import CheckpointInfo, JobSpec
 
 __all__ = ["AgentProcess", "NodeConfig", "config_from_args", "prepare_job", "run"]
 
@@ -175,8 +175,9 @@ class AgentProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = None) -> None:
-    """Before any rank starts: reach dash-memd with our token, apply --fresh, store the launch spec.
+def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = None) -> CheckpointInfo | None:
+    """Before any rank starts: reach dash-memd with our token, apply --fresh, store the launch spec; returns the
+    job's newest committed checkpoint then (None: the job starts from step 0).
 
     An unreachable dash-memd is waited for a little (it may be restarting); a
     token it refuses is a configuration error. ``rdzv_id``: the job's
@@ -188,7 +189,7 @@ def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = N
 
     token = read_token(options.token_file)
 
-    def attempt() -> None:
+    def attempt() -> CheckpointInfo | None:
         with MemdClient(*options.memd, token, timeout=30, tls=options.tls) as client:
             client.ping()
             if options.fresh and rdzv_id is not None and running_elsewhere(client, options.job_id, rdzv_id):
@@ -199,10 +200,12 @@ def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = N
                 log.info("--fresh: deleted %d earlier checkpoints of %s", len(deleted), options.job_id)
             spec = JobSpec(tuple(argv), os.getcwd(), socket.gethostname(), time.time())
             client.put_spec(options.job_id, spec.signed(options.job_id, token))  # resume runs only signed specs
+            return client.latest(options.job_id)
 
     try:
-        retry(attempt, on=UnavailableError, backoff=Backoff(first=MEMD_RETRY_PAUSE, longest=MEMD_RETRY_PAUSE, jitter=0),
-              deadline=time.monotonic() + MEMD_WAIT, on_retry=lambda e, pause: log.warning("%s; retrying", e))
+        return retry(attempt, on=UnavailableError,
+                     backoff=Backoff(first=MEMD_RETRY_PAUSE, longest=MEMD_RETRY_PAUSE, jitter=0),
+                     deadline=time.monotonic() + MEMD_WAIT, on_retry=lambda e, pause: log.warning("%s; retrying", e))
     except AuthError:
         raise UsageError(f"dash-memd at {options.memd[0]}:{options.memd[1]} refused this node's token",
                          hint="--token-file must hold the same token as dash-memd's") from None
@@ -242,7 +245,8 @@ def run(config: NodeConfig) -> int:
             log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd, private.root)
         else:
             log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
-        prepare_job(options, list(config.argv), config.launch_config.run_id if config.elastic else None)
+        newest = prepare_job(options, list(config.argv), config.launch_config.run_id if config.elastic else None)
+        _say_where_it_starts(options.job_id, newest)
         agent = stack.enter_context(AgentProcess(options, placement.agent,
                                                  prefetch=fetch_ahead(config.launch_config.nproc_per_node)))
         os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
@@ -259,8 +263,7 @@ def run(config: NodeConfig) -> int:
                     elastic_launch(config.launch_config, config.entrypoint)(*config.entrypoint_args)
         except ChildFailedError as e:
             if watcher.record() is None:
-                _report_child_failure(e)
-                return int(ExitCode.FAILED)
+                return _report_child_failure(e)
         except SignalException as e:
             if watcher.record() is None:
                 print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
@@ -268,6 +271,29 @@ def run(config: NodeConfig) -> int:
         if watcher.record() is not None:
             return report_preempted(options, watcher)
     return int(ExitCode.OK)
+
+
+def _say_where_it_starts(job_id: str, newest: CheckpointInfo | None) -> None:
+    """One line before the ranks start: the checkpoint the job resumes from and its age, or that it has none.
+
+    A derived job id is the script's path and arguments, not its contents: an edited script relaunched the same
+    way resumes the earlier run, and this line says so before the first line of any rank.
+    """
+    if newest is None:
+        print(f"dashrun: starting {job_id} from step 0 (no checkpoint of it yet)", file=sys.stderr)
+    else:
+        print(f"dashrun: resuming {job_id} from step {newest.step} (saved {_ago(newest.committed_at)})",
+              file=sys.stderr)
+
+
+def _ago(timestamp: float) -> str:
+    """How long ago ``timestamp`` (epoch seconds, dash-memd's clock) was, as a person says it: ``17 min ago``."""
+    seconds = max(0, int(time.time() - timestamp))  # another host's clock may run ahead of this one's
+    for size, unit in ((86400, "day"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            count = seconds // size
+            return f"{count} {unit}{'s' if unit == 'day' and count > 1 else ''} ago"
+    return f"{seconds} s ago"
 
 
 def _pass_memd_to_ranks(options: LaunchOptions) -> None:
@@ -320,11 +346,25 @@ def _said_why(failure) -> bool:
     return os.path.isfile(failure.error_file)
 
 
-def _report_child_failure(err) -> None:
-    """Root cause first, as torchrun does: the first rank that failed and why."""
-    rank, failure = _first_failure(err)
+def _reason(failure) -> str:
+    """What a failed rank's error file says (``"ValueError: bad batch"``), or torch's placeholder without one."""
     reason = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-    reason = (reason or "").strip().splitlines()
+    return (reason or "").strip()
+
+
+def _report_child_failure(err) -> int:
+    """Root cause first, as torchrun does: the first rank that failed and why; returns the exit code.
+
+    A checkpoint that does not fit the script (the rank's :class:`RestoreMismatchError`, by its name in the
+    error file) ends the run with the rank's one line, which names the job and what to pass instead, exit code 2:
+    every rank fails alike, and nothing about the others adds to it.
+    """
+    rank, failure = _first_failure(err)
+    mismatch = f"{RestoreMismatchError.__name__}: "
+    if _said_why(failure) and _reason(failure).startswith(mismatch):
+        print(f"dashrun: error: {_reason(failure).removeprefix(mismatch)}", file=sys.stderr)
+        return int(RestoreMismatchError.exit_code)
+    reason = _reason(failure).splitlines()
     # A rank that exited with a code but left no error file (sys.exit, a Python that could not start the
     # script) gets torch's pointer to its docs as the message: its own output says more.
     detail = reason[-1] if reason and (_said_why(failure) or failure.exitcode < 0) else "see its output above"
@@ -333,3 +373,4 @@ def _report_child_failure(err) -> None:
     if others:
         print(f"dashrun: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed after it",
               file=sys.stderr)
+    return int(ExitCode.FAILED)

@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import torch
 
 from dashrun import env
-from dashrun.errors import DashError, ExitCode, UsageError
+from dashrun.errors import DashError, ExitCode, RestoreMismatchError, UsageError
 from dashrun.rank import sharded
 from dashrun.rank.notices import Agreement, NoticeBoard, in_process_group
 from dashrun.rank.restore import restore_state
@@ -97,7 +97,11 @@ def _membership_from_env() -> dict[str, Any] | None:
 def _record_uncaught_errors() -> None:
     """What torchrun's ``@record`` does for a script that lacks it: an exception that ends the rank is written to
     the error file torch's elastic agent reads, so dashrun's last line names it (a restore that cannot map a
-    tensor, say) rather than torch's placeholder. Once per process; the previous hook still prints it."""
+    tensor, say) rather than torch's placeholder. Once per process; the previous hook still prints it.
+
+    A :class:`RestoreMismatchError` reaches the previous hook without its traceback and cause: a checkpoint
+    that does not fit the script is the user's to fix, not a fault in code, and is printed as one line (torch's
+    own size-mismatch error, its cause, ran to a line per parameter, on every rank)."""
     if getattr(sys.excepthook, "dashrun_records", False) or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
@@ -108,6 +112,9 @@ def _record_uncaught_errors() -> None:
         if not os.path.exists(os.environ.get("TORCHELASTIC_ERROR_FILE", "")):  # @record may have written it
             with contextlib.suppress(Exception):
                 get_error_handler().record_exception(value)
+        if isinstance(value, RestoreMismatchError):
+            value.__cause__, value.__suppress_context__ = None, True
+            value, traceback = value.with_traceback(None), None
         previous(kind, value, traceback)
 
     hook.dashrun_records = True
@@ -192,6 +199,9 @@ class Checkpointer:
                               problems=self._problems, generation=self.generation)
         self._current: Snapshot | None = None    # the newest snapshot handed to the stager
         self._last_step: int | None = None       # step of the newest snapshot (or restored checkpoint)
+        self._restored_step: int | None = None   # step of the checkpoint restore() loaded
+        self._saved_since_restore = False        # save() was called after it: the loop trained a step
+        self._said_complete = False
         self._closed = False
         self._hooks = [obj.register_step_pre_hook(self._before_optimizer_step)
                        for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
@@ -210,6 +220,7 @@ class Checkpointer:
         """
         if not self.enabled or self.preempted:
             return False
+        self._saved_since_restore = True
         started = time.perf_counter()
         agreed = self._notices.agree()
         if (agreed.emergency or agreed.reshape) and self.elastic and not self._notices.noticed_here:
@@ -327,6 +338,7 @@ class Checkpointer:
 
     def wait(self, timeout: float = 600.0) -> bool:
         """Block until the newest snapshot is committed in dash-memd; True if it is (or nothing was saved)."""
+        self._say_if_complete()
         snapshot = self._current
         if not self.enabled or snapshot is None:
             return True
@@ -345,7 +357,12 @@ class Checkpointer:
     # --- restoring -----------------------------------------------------------------
 
     def restore(self) -> int:
-        """Load the newest committed checkpoint of the job; returns the step to run next (0 if none)."""
+        """Load the newest committed checkpoint of the job; returns the step to run next (0 if none).
+
+        A checkpoint that the objects do not fit (other shapes or keys) raises
+        :class:`~dashrun.errors.RestoreMismatchError`, printed as one line if uncaught. A run that restores and then
+        never calls ``save()`` (the job had finished) says at ``wait()`` or ``close()`` that the job is complete.
+        """
         if not self.enabled:
             return 0
         info = restore_state(self._link, job_id=self.job_id, rank=self.rank, world=self.world,
@@ -354,14 +371,30 @@ class Checkpointer:
                              on_wait=lambda message: self._problem("restore", message), local_rank=self.local_rank)
         if info is None:
             return 0
-        self._last_step = info.step
+        self._last_step = self._restored_step = info.step
         if info.world != self.world and self.on_world_change is not None:
             self.on_world_change(info.world, self.world)
         return info.step + 1
 
+    def _say_if_complete(self) -> None:
+        """At the end of the script's run (its ``wait()`` or ``close()``): a run that restored a checkpoint and
+        then never called ``save()`` trained no step — ``range(ckpt.restore(), steps)`` was empty, the job had
+        finished — and the first rank of each node says so, once, rather than exit 0 having done nothing.
+
+        The rank knows this and its launcher does not: a newest checkpoint in dash-memd that did not change
+        during the run is also what a run leaves that trained steps after its last due snapshot.
+        """
+        if (self._said_complete or self._restored_step is None or self._saved_since_restore
+                or (self.local_rank if self.local_rank is not None else self.rank) != 0):
+            return
+        self._said_complete = True
+        log.warning("dashrun: job %s is complete: its newest checkpoint, step %d, was restored and no step was left "
+                    "to train; pass --fresh (or a new --job-id) to train it again", self.job_id, self._restored_step)
+
     def close(self) -> None:
         if self._closed:  # a rank ended for a world change closed it already; the script's own close() follows
             return
+        self._say_if_complete()
         self._closed = True
         for hook in self._hooks:
             hook.remove()

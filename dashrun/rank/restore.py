@@ -14,6 +14,10 @@ rank 0's (every rank of a node has every saved rank's part in the image).
 The only rank of a node on the CPU reads the replicated state *directly* from
 dash-memd, straight into the tensors it already has (:mod:`dashrun.rank.direct`);
 the image then holds the tails alone.
+
+A checkpoint that the objects do not fit (other shapes, keys or keyword
+objects: the job id names a run of another model) raises one
+:class:`~dashrun.errors.RestoreMismatchError` line (:mod:`dashrun.rank.mismatch`).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dashrun.errors import DashError, ProtocolError, UnavailableError, UsageError
+from dashrun.errors import DashError, ProtocolError, RestoreMismatchError, UnavailableError, UsageError
 from dashrun.rank import sharded, statetree
 from dashrun.rank.direct import in_place_targets, read_direct
+from dashrun.rank.mismatch import mismatch_hint, must_fit
 from dashrun.rank.notices import in_process_group
 from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
@@ -296,18 +301,24 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
 
     for name, obj in objects.items():
         if name not in per_rank and name not in replicated:
-            raise UsageError(f"checkpoint of step {info.step} has no state for {name}=",
-                             hint="pass the same keyword objects to Checkpointer as the run that saved it")
+            raise RestoreMismatchError(f"job {job_id}'s checkpoint of step {info.step} has no state for {name}= "
+                                       "(the run that saved it passed other keyword objects to Checkpointer)",
+                                       hint=mismatch_hint(job_id))
     rep = image.meta(mapped, info, tails, 0)["replicated"]
     if rep.get("sharded"):
-        _reshard(rep["sharded"], replicated, mapped, info, tails, objects, per_rank, owners, read_pieces, stats)
+        try:
+            _reshard(rep["sharded"], replicated, mapped, info, tails, objects, per_rank, owners, read_pieces, stats)
+        except UsageError as e:  # a DTensor of other global shape or dtype than the saved one, or none
+            raise RestoreMismatchError(f"job {job_id}'s checkpoint of step {info.step} does not fit this run's "
+                                       f"sharded state: {e.message}", hint=mismatch_hint(job_id)) from e
     with _pinned_copies(region, _device_of(objects)):
         for name, obj in objects.items():
-            if name in per_rank:
-                if private is not None and name in private:
-                    obj.load_state_dict(private[name])
-            else:  # a module copies into its parameters; an optimizer moves its state to theirs
-                sharded.load_state(obj, owners.get(name), replicated[name])
+            with must_fit(job_id, info.step, name, obj):
+                if name in per_rank:
+                    if private is not None and name in private:
+                        obj.load_state_dict(private[name])
+                else:  # a module copies into its parameters; an optimizer moves its state to theirs
+                    sharded.load_state(obj, owners.get(name), replicated[name])
     if private is not None:
         restore_rng(private.get("$rng", {}))
     del replicated, region

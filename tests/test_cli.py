@@ -14,6 +14,7 @@ import torch
 from conftest import REPO, TRAIN, dashrun_cmd
 
 from dashrun.errors import UsageError
+from dashrun.launch import cli, fanout, launcher
 from dashrun.launch.options import build_parser, require_script
 
 ENVDUMP = REPO / "tests" / "bin" / "envdump.py"
@@ -121,6 +122,109 @@ def test_a_missing_script_or_program_stops_the_launch_in_one_line(tmp_path):
         require_script(build_parser().parse_args(["--no-python", "no-such-program-dashrun"]))
     require_script(build_parser().parse_args(["--no-python", "true"]))
     require_script(build_parser().parse_args(["-m", "no_such_module"]))  # the ranks' path may have it
+
+
+#: A bad value of each option that takes one, torchrun's and dashrun's, and how the error line begins. The
+#: command runs in a directory with train.py, a token file "token" and a two-host hostfile "hosts".
+MEMD = ["--memd", "127.0.0.1:7070", "--token-file", "token"]
+HOSTS = ["--hostfile", "hosts", *MEMD]
+BAD_VALUES = [
+    # torchrun's
+    (["--nnodes", "x"], "--nnodes 'x' is not N or MIN:MAX"),
+    (["--nnodes", "3:1"], "--nnodes '3:1' is not N or MIN:MAX"),
+    (["--nnodes", "0"], "--nnodes '0' is not N or MIN:MAX"),
+    (["--nnodes", "1:2:3"], "--nnodes '1:2:3' is not N or MIN:MAX"),
+    (["--nproc-per-node", "two"], "--nproc-per-node 'two' is not a number of ranks"),
+    (["--nproc-per-node", "0"], "--nproc-per-node '0' is not a number of ranks"),
+    (["--rdzv-backend", "carrier-pigeon"], "--rdzv-backend 'carrier-pigeon' is not a rendezvous backend"),
+    (["--rdzv-endpoint", "host:port"], "--rdzv-endpoint 'host:port' is not a host name or address"),
+    (["--rdzv-conf", "garbage"], "--rdzv-conf 'garbage': 'garbage' is not KEY=VALUE"),
+    (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf 'join_timeout=soon': join_timeout is 'soon'"),
+    (["--rdzv-conf", "is_host=maybe"], "--rdzv-conf 'is_host=maybe': is_host is 'maybe', not a boolean"),
+    (["--max-restarts", "-1"], "--max-restarts -1 is not a whole number >= 0"),
+    (["--max-restarts", "x"], "argument --max-restarts/--max_restarts: invalid int value: 'x'"),
+    (["--monitor-interval", "abc"], "argument --monitor-interval/--monitor_interval: invalid float value"),
+    (["--monitor-interval", "-1"], "--monitor-interval -1.0 is not a number of seconds"),
+    (["--start-method", "thread"], "argument --start-method/--start_method: invalid choice"),
+    (["--event-log-handler", "nope"], "--event-log-handler 'nope' is not an event handler"),
+    (["-m", "--no-python"], "-m and --no-python exclude each other"),
+    (["--log-dir", "/dev/null/logs"], "--log-dir '/dev/null/logs' cannot be made in /dev/null"),
+    (["--log-dir", "token"], "--log-dir 'token' is not a directory"),
+    (["--redirects", "9"], "--redirects '9' is not a stream mask"),
+    (["--tee", "x"], "--tee 'x' is not a stream mask"),
+    (["--local-ranks-filter", "0,one"], "--local-ranks-filter '0,one' is not a list of local ranks"),
+    (["--node-rank", "-1"], "--node-rank -1 is not a whole number >= 0"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is not below the number of nodes (2)"),
+    (["--master-addr", "no such host"], "--master-addr 'no such host' is not a host name or address"),
+    (["--master-port", "70000"], "--master-port 70000 is not a whole number from 0 to 65535"),
+    (["--logs-specs", "nope"], "--logs-specs 'nope' names no installed"),
+    (["--numa-binding", "nope"], "argument --numa-binding/--numa_binding: invalid choice"),
+    (["--signals-to-handle", "SIGTERM,SIGNOPE"], "--signals-to-handle 'SIGTERM,SIGNOPE': 'SIGNOPE' is not a signal"),
+    (["--signals-to-handle", "SIGKILL"], "--signals-to-handle 'SIGKILL': 'SIGKILL' is not a signal"),
+    (["--shutdown-timeout", "-5"], "--shutdown-timeout -5 is not a whole number >= 0"),
+    # dashrun's
+    (["--memd", "host:port", "--token-file", "token"], "--memd 'host:port' has an invalid port"),
+    (["--memd", "127.0.0.1:7070"], "--memd needs --token-file"),
+    (["--memd", "127.0.0.1:7070", "--token-file", "no-such-token"], "cannot read token file no-such-token"),
+    (["--job-id", "../up"], "--job-id '../up' is not a valid job id"),
+    (["--cloud", "moon"], "argument --cloud: invalid choice: 'moon'"),
+    (["--metadata-endpoint", "ftp://169.254.169.254"], "--metadata-endpoint 'ftp://169.254.169.254' is not an"),
+    (["--metadata-endpoint", "http://169.254.169.254:99999"], "--metadata-endpoint 'http://169.254.169.254:99999'"),
+    (["--poll-interval", "soon"], "argument --poll-interval/--poll_interval: invalid float value: 'soon'"),
+    (["--poll-interval", "-1"], "--poll-interval -1.0 is not a number of seconds"),
+    (["--agent-cpus", "many"], "--agent-cpus 'many'"),
+    (["--tls-ca", "no-such-ca.pem"], "cannot load --tls-ca"),
+    (["--tls-ca", "token"], "cannot load --tls-ca"),  # not PEM certificates
+    (["--tls-ca", "token", "--no-tls"], "--tls-ca and --no-tls exclude each other"),
+    (["--hostfile", "no-such-hosts", *MEMD], "cannot read hostfile no-such-hosts"),
+    # through the SSH fan-out, which decides some of these for every host itself
+    ([*HOSTS, "--nnodes", "x"], "--nnodes 'x' is not N or MIN:MAX"),
+    ([*HOSTS, "--nnodes", "3:1"], "--nnodes '3:1' is not N or MIN:MAX"),
+    ([*HOSTS, "--max-restarts", "-1"], "--max-restarts -1 is not a whole number >= 0"),
+    ([*HOSTS, "--rdzv-conf", "garbage"], "--rdzv-conf 'garbage': 'garbage' is not KEY=VALUE"),
+    ([*HOSTS, "--memd", "host:port"], "--memd 'host:port' has an invalid port"),
+    ([*HOSTS, "--ssh-config", "no-such-config"], "cannot read ssh config"),
+]
+
+
+@pytest.fixture
+def launch_dir(tmp_path, token_file, monkeypatch):
+    """A directory with train.py, a token file and a hostfile, as the working directory; no DASH_*/PET_* variable
+    set (each is an option's twin)."""
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    assert token_file == tmp_path / "token"
+    for name in list(os.environ):
+        if name.startswith(("DASH_", "PET_")):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("options, begins", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_a_bad_value_of_any_option_is_one_line_and_exit_2_before_anything_starts(options, begins, launch_dir,
+                                                                                monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(launcher, "run", started.append)
+    monkeypatch.setattr(fanout, "run", started.append)
+    with pytest.raises(SystemExit) as exited:  # anything else escaping main() would be a traceback
+        cli.main([*options, "train.py", "--steps", "3"])
+    err = capsys.readouterr().err
+    assert (exited.value.code, started) == (2, []), err
+    error, hint = err.splitlines()  # the error in one line, and what to do about it
+    assert error.startswith(f"dashrun: error: {begins}"), error
+    assert hint.startswith("dashrun: hint: ") and len(hint) > len("dashrun: hint: "), hint
+
+
+@pytest.mark.parametrize("options", [["--nnodes", "3:1"], ["--max-restarts", "x"]], ids=" ".join)
+def test_a_bad_value_stops_the_dashrun_command_in_one_line(options, launch_dir):
+    """The command itself, as a user runs it: exit 2 and the two lines, no traceback, nothing started."""
+    result = dashrun(*options, "train.py", env={"XDG_CACHE_HOME": str(launch_dir / "cache")}, cwd=launch_dir)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert [line.split(":")[:2] for line in result.stderr.splitlines()] == [["dashrun", " error"],
+                                                                             ["dashrun", " hint"]], result.stderr
+    assert not (launch_dir / "cache").exists()  # no private dash-memd made its directory
 
 
 def test_a_failed_rank_is_reported_by_what_it_said(tmp_path, capsys):

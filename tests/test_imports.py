@@ -9,7 +9,9 @@ import modules in a fresh interpreter and look at ``sys.modules``.
 from __future__ import annotations
 
 import ast
+import configparser
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -306,9 +308,19 @@ def test_environment_twins_set_their_options(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "DASH_GC_KEEP" not in result.output and "0 is not in the range" in result.output
 
 
+def test_numpy_installs_with_dashrun():
+    """Without numpy torch warns "Failed to initialize NumPy" as it is imported: at the start of every dashrun
+    command and every rank. So it is one of dashrun's own requirements, not only the tests'. Read from setup.cfg,
+    not from the installed metadata, which a stale ``dashrun.egg-info`` in the checkout can stand in for."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    requirements = config["options"]["install_requires"].split()
+    assert any(re.match(r"numpy\b", r) for r in requirements), requirements
+
+
 def test_a_ranks_save_path_runs_without_numpy():
-    """torch does not require numpy, and a user's environment may lack it: a rank's notices and RNG capture
-    must not need it (the tests' environment has it, for hypothesis and moto)."""
+    """torch does not require numpy, and an environment installed without dashrun's requirements may lack it: a
+    rank's notices and RNG capture must not need it."""
     code = """
 import sys
 sys.modules["numpy"] = None  # importing numpy fails, as where it is not installed

@@ -38,7 +38,8 @@ from typing import NoReturn
 from dashrun import env
 from dashrun.errors import DashError, ExitCode, UnavailableError, UsageError
 from dashrun.launch.hostfile import Host, SshTarget, read_hostfile, ssh_targets
-from dashrun.launch.options import NAMES, job_id_from_args, memd_address, require_shared_memd, require_token_file
+from dashrun.launch.options import (NAMES, check_values, job_id_from_args, nnodes_range, require_shared_memd,
+                                    require_token_file)
 from dashrun.util.signals import STOP_SIGNALS, next_stop_signal
 
 __all__ = ["DECIDED", "HostsConfig", "Session", "config_from_args", "remote_command", "run"]
@@ -129,6 +130,7 @@ def remote_command(*, cwd: str, python: str, environment: dict[str, str], argv: 
 
 def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser) -> HostsConfig:
     """Everything the hosts need, decided here once: the job id, the rendezvous, each host's command."""
+    check_values(args)  # here, not on every host
     hosts = read_hostfile(args.hostfile)
     if args.standalone:
         raise UsageError("--standalone runs on one node; it cannot be combined with --hostfile",
@@ -140,9 +142,7 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
         raise UsageError(f"--hostfile starts a c10d rendezvous; --rdzv-backend {args.rdzv_backend} is not supported "
                          "with it", hint="drop --rdzv-backend")
     require_shared_memd(args, len(hosts), "hosts")
-    if args.memd is not None:
-        memd_address(args.memd)  # fail here, not on every host
-        require_token_file(args.memd, args.token_file, " (at the same path on every host)")
+    require_token_file(args.memd, args.token_file, " (at the same path on every host)")
     job_id = job_id_from_args(args)
 
     targets = ssh_targets(hosts, args.ssh_config)
@@ -187,9 +187,7 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
 def _elastic(args: argparse.Namespace) -> bool:
     """``--nnodes MIN:MAX`` (MIN < MAX) with --memd and no --rdzv-endpoint: each host runs the same elastic
     command, the rendezvous in dash-memd (as a boot script on each Spot node would)."""
-    from torch.distributed.run import parse_min_max_nnodes
-
-    low, high = parse_min_max_nnodes(args.nnodes)
+    low, high = nnodes_range(args.nnodes)
     return args.memd is not None and not args.rdzv_endpoint and low < high
 
 

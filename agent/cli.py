@@ -7,7 +7,6 @@ wins over its variable, which wins over the default.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from dashrun.agent.service import AgentServer
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode
 from dashrun.util.console import run_click, setup_logging
-from dashrun.util.signals import block_stop_signals, next_stop_signal
+from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.version import __version__
@@ -85,10 +84,8 @@ def run(config: AgentConfig) -> int:
     block_stop_signals()
     server = AgentServer(config)
     server.start()
-    while next_stop_signal(timeout=1.0) is None:
-        if config.parent_pid is not None and os.getppid() != config.parent_pid:
-            log.warning("launcher (pid %d) is gone; delivering what was handed over, then exiting", config.parent_pid)
-            break
+    if wait_for_stop(config.parent_pid) == PARENT_GONE:
+        log.warning("launcher (pid %d) is gone; delivering what was handed over, then exiting", config.parent_pid)
     server.stop()
     return int(ExitCode.OK)
 

@@ -19,7 +19,11 @@ its rank is gone and its sender has delivered what was handed over: then
 its socket closes, and the agent forgets it.
 
 The frames and their bodies are :mod:`dashrun.wire.agent_messages`; each
-request's ``id`` is read here and repeated in its reply.
+request's ``id`` is read here and repeated in its reply. A RESTORE or WAIT
+runs on a helper thread of its own, at most :data:`MAX_RANK_HELPERS` of them
+per connection and :data:`MAX_HELPERS` in the agent: one more is refused at
+once with BusyError, so a rank that floods the agent costs it no more
+threads (a rank has one restore or wait at a time).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import os
 import queue
 import socket
 import threading
-from typing import Any, Protocol
+import time
+from typing import Any, Callable, Protocol
 
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.restores import RestoreCache
-from dashrun.errors import ConflictError, DashError, ProtocolError, UnavailableError
+from dashrun.errors import BusyError, ConflictError, DashError, ProtocolError, UnavailableError
 from dashrun.util.files import unmap
+from dashrun.util.units import format_size
 from dashrun.wire.agent_messages import (
     Progress,
     RestoreReply,
@@ -51,12 +57,18 @@ from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import Notice, ShardHeader
 from dashrun.wire.protocol import MAX_STEP, Kind, crc32c, field_int
 
-__all__ = ["STAGING_TIMEOUT", "Agent", "RankConnection", "SegmentMaps", "Staged"]
+__all__ = ["MAX_HELPERS", "MAX_RANK_HELPERS", "STAGING_TIMEOUT", "Agent", "RankConnection", "SegmentMaps", "Staged"]
 
 log = logging.getLogger(__name__)
 
 #: Longest a handed-over shard may wait for its rank's next staging progress.
 STAGING_TIMEOUT = 300.0
+#: RESTORE and WAIT requests one rank's connection may have running at once (each on a thread of its own): a
+#: rank has one restore or one wait at a time.
+MAX_RANK_HELPERS = 4
+#: RESTORE and WAIT requests all the connections to the agent may have running at once: room for a restore and
+#: a wait of each of 128 ranks on the node.
+MAX_HELPERS = 256
 
 
 class Agent(Protocol):
@@ -66,6 +78,8 @@ class Agent(Protocol):
     restores: RestoreCache
     #: the most serious interruption notice this node received, if any
     notice: Notice | None
+    #: the helper threads (RESTORE, WAIT) every connection's count against: MAX_HELPERS in all
+    helpers: threading.Semaphore
 
     def report_failure(self, job: str, err: DashError) -> None:
         """A shard of ``job`` could not be delivered."""
@@ -90,6 +104,7 @@ class Staged:
     crc: int | None = None
     failed: bool = False
     cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    handed_at: float = dataclasses.field(default_factory=time.monotonic)  # when the rank handed it over
 
     def advance(self, ready: int | None = None, failed: bool = False, crc: int | None = None) -> None:
         with self.cond:
@@ -183,6 +198,7 @@ class RankConnection:
         self._maps = SegmentMaps()
         self.sender = threading.Thread(target=self._send_loop, name="agent-sender", daemon=True)
         self.who = "rank ?"
+        self._helpers = threading.BoundedSemaphore(MAX_RANK_HELPERS)
         self._halves_left = 2  # the reader and the sender
         self._halves_lock = threading.Lock()
 
@@ -306,9 +322,9 @@ class RankConnection:
                 progress = Progress.from_body(frame.body, staged.header.nbytes)
                 staged.advance(progress.ready, progress.failed, progress.crc)
         elif frame.kind == Kind.RESTORE:
-            threading.Thread(target=self._restore, args=(request_id, frame.body), daemon=True).start()
+            self._help(request_id, frame, self._restore)
         elif frame.kind == Kind.WAIT:
-            threading.Thread(target=self._wait, args=(request_id, frame.body), daemon=True).start()
+            self._help(request_id, frame, self._wait)
         elif frame.kind == Kind.PING:
             self.reply(request_id, {"pid": os.getpid()})
         elif frame.kind == Kind.RESHAPE:  # from the launcher beside us, not from a rank
@@ -316,6 +332,34 @@ class RankConnection:
             self.reply(request_id)
         else:
             raise ProtocolError(f"unexpected {frame.kind.name}")
+
+    def _help(self, request_id: int, frame: Frame, work: Callable[[int, dict[str, Any]], None]) -> None:
+        """Run ``work(request_id, body)`` on a helper thread of its own, if this connection and the agent each
+        have one to spare (see the module's text); else refuse the request with BusyError."""
+        what = frame.kind.name
+        if not self._helpers.acquire(blocking=False):
+            self.reply_error(request_id, BusyError(f"this rank has {MAX_RANK_HELPERS} RESTORE and WAIT requests "
+                                                   f"running in dash-agent already: {what} refused"))
+            return
+        if not self.agent.helpers.acquire(blocking=False):
+            self._helpers.release()
+            self.reply_error(request_id, BusyError(f"dash-agent runs {MAX_HELPERS} RESTORE and WAIT requests of "
+                                                   f"this node's ranks already: {what} refused"))
+            return
+
+        def run() -> None:
+            try:
+                work(request_id, frame.body)
+            finally:
+                self.agent.helpers.release()
+                self._helpers.release()
+
+        try:
+            threading.Thread(target=run, name=f"agent-{what.lower()}", daemon=True).start()
+        except RuntimeError as e:  # no thread to be had now
+            self.agent.helpers.release()
+            self._helpers.release()
+            self.reply_error(request_id, BusyError(f"dash-agent cannot start a thread for {what}: {e}"))
 
     def _send_loop(self) -> None:
         client = self.agent.config.memd_client()
@@ -327,6 +371,8 @@ class RankConnection:
                     self.reply(staged.request_id, reply.to_body())
                     if staged.emergency:
                         self.agent.emergency_stored(staged.header)
+                    if reply.committed:
+                        self._say_committed(client, staged)
                 except DashError as e:
                     if not staged.failed:
                         self.agent.report_failure(staged.header.job, e)
@@ -341,6 +387,20 @@ class RankConnection:
             client.close()
             self._maps.close()
             self._half_over()
+
+    @staticmethod
+    def _say_committed(client: MemdClient, staged: Staged) -> None:
+        """One line per checkpoint, from the agent whose shard completed it: its size in all and how long the last
+        shard took from the rank's hand-over to the commit. Only at INFO (the size is one request more)."""
+        if not log.isEnabledFor(logging.INFO):
+            return
+        header, took = staged.header, time.monotonic() - staged.handed_at
+        try:
+            info = client.latest(header.job, header.step)
+        except Exception:  # noqa: BLE001 - the shard is delivered and answered: a line must not fail it
+            info = None
+        size = format_size(info.nbytes) if info is not None and info.step == header.step else "size unknown"
+        log.info("%s: step %d committed (%s, %.0f ms)", header.job, header.step, size, took * 1000)
 
     def _put_with_retry(self, client: MemdClient, staged: Staged) -> dict[str, Any]:
         def put() -> dict[str, Any]:

@@ -27,7 +27,7 @@ import time
 
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.pollers import Poller, make_poller
-from dashrun.agent.ranks import RankConnection
+from dashrun.agent.ranks import MAX_HELPERS, RankConnection
 from dashrun.agent.restores import RestoreCache
 from dashrun.env import PreemptionRecord
 from dashrun.errors import DashError, UsageError
@@ -55,6 +55,7 @@ class AgentServer:
         self._connections: list[RankConnection] = []
         self._lock = threading.Lock()
         self._failures = ProblemLog(log)
+        self.helpers = threading.BoundedSemaphore(MAX_HELPERS)  # RESTORE and WAIT threads of every connection
         self.notice: Notice | None = None      # the most serious notice this node received
         self._poller: Poller | None = None
         self._acknowledged = False  # the cloud was told the node's state is safe (guarded by _lock)

@@ -58,8 +58,8 @@ LOG_LEVEL = Var("DASH_LOG_LEVEL", "logging level of dash-memd and dash-agent (DE
 MEMD_TIMEOUT = Var("DASH_MEMD_TIMEOUT", "seconds a request to dash-memd may stay silent", "user", "dash-agent")
 DRAIN_TIMEOUT = Var("DASH_DRAIN_TIMEOUT", "seconds dash-agent gets to deliver handed-over shards when stopping", "user",
                     "dash-agent")
-PARENT_PID = Var("DASH_PARENT_PID", "the launcher's pid: dash-agent exits (after draining) once it is gone", "dashrun",
-                 "dash-agent")
+PARENT_PID = Var("DASH_PARENT_PID", "the launcher's pid: dash-agent (after draining) and the private dash-memd (after "
+                 "its disk writes) exit once it is gone", "dashrun", "dash-agent, dash-memd")
 AGENT_LISTEN_FD = Var("DASH_AGENT_LISTEN_FD", "descriptor of dash-agent's socket, made and handed on by dashrun",
                       "dashrun", "dash-agent")
 UPLOAD_QUEUE = Var("DASH_UPLOAD_QUEUE", "uploads waiting at most; a full queue drops its oldest", "user", "dash-memd")
@@ -91,6 +91,8 @@ GENERATION = Var("DASH_GENERATION", "the world's generation (its rendezvous roun
                  "older one", "dashrun", "ranks")
 MEMBERSHIP = Var("DASH_MEMBERSHIP", "the job's nodes and world history, JSON (Checkpointer.membership)", "dashrun",
                  "ranks")
+TERM_GRACE = Var("DASH_TERM_GRACE", "seconds a rank has, from SIGTERM, to commit its emergency checkpoint before "
+                 "its launcher kills it (dashrun sets it from torchrun's --shutdown-timeout)", "dashrun", "ranks")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
                "all")
 
@@ -99,7 +101,7 @@ ALL: tuple[Var, ...] = (
     MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
     DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT,
     IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS,
-    ELASTIC, GENERATION, MEMBERSHIP, CRASH_AT,
+    ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, CRASH_AT,
 )
 
 

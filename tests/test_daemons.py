@@ -194,6 +194,35 @@ def test_memd_reports_a_busy_port(memd, tmp_path, token_file):
     assert result.returncode == 2 and "cannot listen" in result.stderr
 
 
+def test_a_private_memd_in_use_is_named_and_one_whose_launcher_died_exits_by_itself(tmp_path):
+    """The private dash-memd of a live dashrun is refused by pid; one whose dashrun was killed outright watches it
+    go (--parent-pid), finishes and exits, and the next command gets the data dir (waiting for it if it must)."""
+    from dashrun.errors import UsageError
+    from dashrun.launch.private_memd import PrivateMemd
+
+    root = tmp_path / "memd"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from dashrun.launch.private_memd import "
+         "PrivateMemd; memd = PrivateMemd(Path(sys.argv[1]), attach=False).__enter__(); print(memd.proc.pid, "
+         "flush=True); time.sleep(600)", str(root)], stdout=subprocess.PIPE, text=True)
+    memd = None
+    try:
+        memd = psutil.Process(int(launcher.stdout.readline()))
+        with pytest.raises(UsageError, match=rf"in use by another dashrun on this machine \(dash-memd pid "
+                                             rf"{memd.pid}, started by pid {launcher.pid}\)"):
+            PrivateMemd(root, attach=False).__enter__()
+        launcher.kill()
+        launcher.wait()
+        with PrivateMemd(root, attach=False) as again:
+            assert again.address is not None and not memd.is_running()
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if memd is not None and memd.is_running():
+            memd.kill()
+    assert "is gone: shutting down" in (root / "memd.log").read_text()
+
+
 def test_the_launcher_closes_the_agent_s_socket_once_it_gives_up_restarting_it(memd, tmp_path, monkeypatch):
     """An agent that cannot start (here: its token file is gone) is restarted a few times; then its socket goes,
     so that a rank is refused at once instead of waiting in the queue of a socket nobody will serve."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -158,3 +159,50 @@ def test_a_disk_copy_that_rotted_before_its_upload_is_quarantined_not_uploaded_a
     assert summary["quarantined"] == 1 and summary["newest"]["tiers"] == ["ram"]
     assert not summary["object_error"] and not [k for k in s3_bucket.keys() if "/j/" in k]
     assert read(cat, "j", 1, 1) == payloads[1]              # from its RAM copy, intact
+
+
+def test_a_shard_read_in_many_ranges_over_several_streams_is_checked_once(tmp_path, monkeypatch):
+    """A restore reads one shard in many pieces over 4 streams: the disk copy is read whole once, not once per
+    piece; a check longer than the recheck window does not start another for the reads still open."""
+    from dashrun.memd.tiers import disk as disk_module
+
+    reborn, payloads = restarted_with_steps(tmp_path, [1])
+    checks = []
+    real_check = DiskTier._check_fd
+    first_check = threading.Event()
+    release = threading.Event()
+
+    def counted(fd, shard, *args, **kwargs):
+        checks.append(shard.rank)
+        first_check.set()
+        release.wait(30)  # every stream comes while this check is under way
+        return real_check(fd, shard, *args, **kwargs)
+
+    monkeypatch.setattr(DiskTier, "_check_fd", staticmethod(counted))
+    monkeypatch.setattr(disk_module, "RECHECK_AFTER", 0.0)  # only an open read keeps a file checked
+    want = payloads[(1, 0)]
+    size = len(want) // 16
+    pieces = [(start, start + size) for start in range(0, 16 * size, size)] * 4  # 64 reads
+    got, failures = [], []
+    holding = reborn.open_shard("j", 1, 0)  # a read held open across the others: one session
+
+    def stream(mine):
+        try:
+            for start, end in mine:
+                with reborn.open_shard("j", 1, 0) as (view, _crc, _marks):
+                    got.append(bytes(view[start:end]) == want[start:end])
+        except Exception as e:  # noqa: BLE001 (asserted below)
+            failures.append(e)
+
+    streams = [threading.Thread(target=stream, args=(pieces[i::4],)) for i in range(4)]
+    opener = threading.Thread(target=holding.__enter__)
+    opener.start()
+    wait_for(first_check.is_set, 30, "the first check to start")
+    for thread in streams:
+        thread.start()
+    release.set()
+    for thread in (opener, *streams):
+        thread.join(60)
+    holding.__exit__(None, None, None)
+    assert failures == [] and len(got) == len(pieces) and all(got)
+    assert checks == [0]

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, kill_tree, wait_for
 from runs import assert_identical, final_states, last_step, reference_run, starts
+
+from dashrun.memd.tiers.base import MANIFEST
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +47,45 @@ def test_killed_at_a_random_step_resumes_bit_identical(memd, tmp_path, reference
     result = run(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert starts(out) == [0, committed.step + 1], f"killed at {kill_at}"
+    assert_identical(reference, out)
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_launcher_killed_outright_takes_its_node_with_it_and_the_same_command_resumes(tmp_path, reference):
+    """``kill -9`` of a laptop run's process group reaches the launcher alone (its ranks, dash-agent and the
+    private dash-memd each run in a session of their own): the ranks die with it, dash-agent and dash-memd finish
+    what they hold and exit, and the same command resumes from the newest committed step."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    memd_dir, out = tmp_path / "cache" / "dashrun" / "memd", tmp_path / "out"
+    cmd = [sys.executable, "-m", "dashrun", "--nproc-per-node", "2", str(TRAIN), *TRAIN_ARGS, "--out", str(out),
+           "--delay", "0.1"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env},
+                                start_new_session=True)
+    node: list[psutil.Process] = []
+    try:
+        wait_for(lambda: last_step(out) >= 2 * INTERVAL + 2 or launcher.poll() is not None, 180,
+                 "two checkpoints taken")
+        node = psutil.Process(launcher.pid).children(recursive=True)
+        os.killpg(launcher.pid, signal.SIGKILL)
+        assert launcher.wait(timeout=30) == -signal.SIGKILL, "the run finished before it could be killed"
+        wait_for(lambda: not alive(node), 60, "the ranks, dash-agent and the private dash-memd to exit")
+    finally:
+        kill_tree(launcher)
+        for leftover in alive(node):
+            leftover.kill()
+    assert len(node) >= 4  # 2 ranks, dash-agent, dash-memd
+    assert "is gone: shutting down" in (memd_dir / "memd.log").read_text()
+    (job,) = [path.name for path in (memd_dir / "jobs").iterdir()]
+    on_disk = sorted(int(path.parent.name) for path in (memd_dir / "jobs" / job).glob(f"*/{MANIFEST}"))
+    assert on_disk and on_disk[-1] >= INTERVAL - 1  # what dash-memd held, written before it exited
+
+    result = run(cmd, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming {job} from step {on_disk[-1]}" in result.stderr
+    assert starts(out) == [0, on_disk[-1] + 1]
     assert_identical(reference, out)
 
 

@@ -4,25 +4,39 @@ Nodes here are rendezvous handlers in threads of the test (the elastic
 launcher runs one per node); dash-memd is a real process, over TLS. What the
 fleet tests rely on is checked here, quickly: nodes meet, each round gets a
 fresh TCPStore, a node that leaves does not close the rendezvous, a silent
-one is found dead, and the state outlives a dash-memd restart.
+one is found dead, and the state outlives a dash-memd restart; a whole-job delete is refused while the job's
+nodes heartbeat, judged by the job's own heartbeat settings.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from conftest import wait_for
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from dashrun.launch.elastic import LATE_HEARTBEATS
 from dashrun.launch.options import LaunchOptions
-from dashrun.launch.rendezvous import RDZV_DEFAULTS, MemdStore, create_handler, state_from_wire, state_to_wire
+from dashrun.errors import ConflictError
+from dashrun.launch.rendezvous import (
+    RDZV_DEFAULTS,
+    MemdStore,
+    create_handler,
+    running_elsewhere,
+    state_from_wire,
+    state_to_wire,
+)
+from dashrun.wire.heartbeats import liveness
+from dashrun.wire.messages import JobSpec
 from dashrun.wire.tls import TlsSettings
 
 
@@ -225,3 +239,79 @@ def test_after_a_failure_a_late_member_is_evicted_at_once_a_live_one_never(memd,
     evicted = wait_for(lambda: handlers[0].evict_late(late), 10, "the late member to be evicted")
     assert [node.addr for node in evicted] == ["127.0.0.2"]
     assert [node.addr for node in handlers[0].departed()] == ["127.0.0.2"]
+
+
+# --- a whole-job delete (dashrun rm, --fresh) while the job's nodes are alive --------------------------------
+
+
+def set_member(backend, age: float, token=None):
+    """Set a rendezvous state through the job's backend: one member, whose last heartbeat is ``age`` seconds old."""
+    state = _RendezvousState()
+    node = _NodeDesc("127.0.0.9", 4242, 0)
+    state.round, state.complete = 1, True
+    state.participants = {node: 0}
+    state.last_heartbeats = {node: datetime.now(timezone.utc) - timedelta(seconds=age)}
+    _held, token, was_set = backend.set_state(pickle.dumps(state), token)
+    assert was_set
+    return token
+
+
+def test_a_whole_job_delete_is_refused_while_its_nodes_heartbeat_unless_forced(memd, handlers):
+    handlers += [handler_for(memd, "live", node) for node in (1, 2)]
+    meet(handlers)  # both nodes heartbeat every second from now on
+    with memd.client() as client:
+        client.put_spec("live", JobSpec(("train.py",), "/w", "n1", 1.0))
+        with pytest.raises(ConflictError, match=r"live has 2 live nodes \(last heartbeat \d+s ago\): stop them "
+                                                r"first, or pass --force-live"):
+            client.delete("live")
+        assert client.rendezvous_get("live", "live") is not None and client.get_spec("live") is not None
+        assert client.delete("live", keep=1) == []  # gc deletes no job: the nodes go on
+        for handler in handlers:  # still alive by their last heartbeats, but none sets the state once it is gone
+            handler._stop_heartbeats()
+        client.delete("live", force_live=True)
+        assert client.rendezvous_get("live", "live") is None and client.get_spec("live") is None
+
+
+def test_liveness_is_judged_by_the_jobs_own_keep_alive_not_the_default(memd, handlers):
+    # keep_alive 10 s x 3: a member is dead only after 30 s without a heartbeat (dashrun's default: 5 s).
+    handlers.append(handler_for(memd, "slow", 1, keep_alive_interval=10, keep_alive_max_attempt=3))
+    backend = handlers[0]._state_holder._backend
+    token = set_member(backend, age=10)
+    with memd.client() as client:
+        assert running_elsewhere(client, "slow", "slow")  # a node started with --fresh joins it
+        with pytest.raises(ConflictError, match=r"slow has 1 live node \(last heartbeat 1\ds ago\)"):
+            client.delete("slow")
+        set_member(backend, age=40, token=token)  # now it is dead by the job's settings too
+        assert not running_elsewhere(client, "slow", "slow")
+        client.delete("slow")
+        assert client.rendezvous_get("slow", "slow") is None
+
+
+def test_liveness_takes_the_settings_the_state_names_and_a_closed_rendezvous_has_no_live_member():
+    now = time.time()
+
+    def state(**fields) -> bytes:
+        beats = [["10.0.0.1", 7, 0, now - 10], ["10.0.0.2", 7, 0, now - 100]]
+        return json.dumps({"round": 3, "closed": False, "last_heartbeats": beats, **fields}).encode()
+
+    assert liveness(state(), now).live == 0  # no settings named: dashrun's default, dead after 5 s
+    found = liveness(state(keep_alive=[10, 3]), now)
+    assert (found.live, round(found.newest_age), found.keep_alive.lapse) == (1, 10, 30)
+    assert liveness(state(keep_alive=[10, 3], closed=True), now).live == 0  # the job is done: its nodes stop
+    for bad in ([0, 3], [10, 0], [1e9, 3], [10, 3.5], [True, 3], "10,3", [10]):
+        with pytest.raises(ValueError):
+            liveness(state(keep_alive=bad), now)
+
+
+def test_dashrun_rm_refuses_a_live_job_and_force_live_removes_it(memd, handlers):
+    handlers.append(handler_for(memd, "cli-live", 1))
+    set_member(handlers[0]._state_holder._backend, age=0)
+    command = [sys.executable, "-m", "dashrun", "rm", "cli-live", "--memd", memd.address, "--token-file",
+               str(memd.token_file), *memd.tls_args]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "cli-live has 1 live node" in refused.stderr, refused.stderr
+    assert "--force-live" in refused.stderr
+    forced = subprocess.run([*command, "--force-live"], capture_output=True, text=True, timeout=120)
+    assert forced.returncode == 0, forced.stderr
+    with memd.client() as client:
+        assert client.rendezvous_get("cli-live", "cli-live") is None

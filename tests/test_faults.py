@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,10 +146,11 @@ def rank_stats(out: Path, rank: int = 0) -> dict:
     return json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
 
 
-def relaunch(memd, args: list[str], out: Path, job: str, timeout: float = 300) -> None:
+def relaunch(memd, args: list[str], out: Path, job: str, timeout: float = 300) -> subprocess.CompletedProcess:
     result = subprocess.run(dashrun_cmd(memd, str(TRAIN), *args, "--out", str(out), job=job), capture_output=True,
                             text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 # --- dash-memd hung ---------------------------------------------------------------------------------------
@@ -474,7 +476,14 @@ def test_memd_disk_full_ram_serves_and_writing_resumes(small_fs, memd_factory, t
     filler = fs.fill()
     args = ["--steps", str(REFERENCE_STEPS), "--interval", "5"]
     out, job = tmp_path / "out", "disk-full"
-    relaunch(memd, [*args, "--stop-after", "12"], out, job)  # launches, trains, commits in RAM
+    first = relaunch(memd, [*args, "--stop-after", "12"], out, job)  # launches, trains, commits in RAM
+    # The training terminal hears of it: one line (not one per checkpoint), and a line per commit.
+    failing = f"dashrun: {job}'s checkpoints are not reaching dash-memd's disk: "
+    again = f"dashrun: {job}'s checkpoints reach dash-memd's disk again"
+    assert first.stderr.count(failing) == 1 and again not in first.stderr, first.stderr[-3000:]
+    line = next(line for line in first.stderr.splitlines() if line.startswith(failing))
+    assert "No space left" in line and line.endswith("; they are kept in its RAM"), line
+    assert re.search(rf"{job}: step 9 committed \(\d+\.\d [KM]iB, \d+ ms\)", first.stderr), first.stderr[-3000:]
     listing = job_listing(memd, job)
     assert [(c["step"], c["tiers"]) for c in listing["checkpoints"]] == [(4, ["ram"]), (9, ["ram"])]
     assert "No space left" in (listing["disk_error"] or "")
@@ -486,14 +495,24 @@ def test_memd_disk_full_ram_serves_and_writing_resumes(small_fs, memd_factory, t
     assert disk_steps(memd.data_dir, job) == []  # no checkpoint appears on disk, whole or partial
     wait_for(lambda: not leftovers(memd.data_dir, job), 30, "the failed writes to be cleaned up")
 
-    # The relaunch restores from RAM; once space is back, the next checkpoints are written again.
-    run = launch(dashrun_cmd(memd, str(TRAIN), *args, "--out", str(out), "--delay", "0.3", job=job))
+    # The relaunch restores from RAM; once space is back, the next checkpoints are written again. It is held before
+    # its last step until its terminal has said so.
+    hold = tmp_path / "hold"
+    hold.touch()
+    run = launch(dashrun_cmd(memd, str(TRAIN), *args, "--out", str(out), "--delay", "0.3", "--hold-file", str(hold),
+                             job=job))
     wait_for(lambda: newest(memd, job) >= 14 or not run.running(), 180, "a checkpoint after the restore",
              interval=0.2)
     assert disk_steps(memd.data_dir, job) == [] and job_listing(memd, job)["disk_error"]
+    wait_for(lambda: failing in run.output() or not run.running(), 30, "the launcher to say the disk fails")
     wait_for(lambda: not leftovers(memd.data_dir, job), 30, "the failed writes to be cleaned up")
     filler.unlink()
+    wait_for(lambda: again in run.output() or not run.running(), 60, "the launcher to say the disk works again",
+             interval=0.2)
+    hold.unlink()
     assert run.finish() == 0, run.output()[-3000:]
+    output = run.output()
+    assert output.count(failing) == 1 and output.count(again) == 1 and output.index(failing) < output.index(again)
     assert starts(out) == [0, 10]
     assert_identical(reference, out)
     written(memd, job, REFERENCE_STEPS - 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -188,6 +189,49 @@ def test_ranks_that_never_save_again_are_stopped_before_the_deadline(memd, fake_
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     with memd.client() as client:
         assert client.latest(job).step == 5  # the newest periodic checkpoint stands
+
+
+def test_sigterm_to_the_launcher_or_to_its_whole_group_is_a_notice_that_loses_zero_steps(memd, tmp_path, reference):
+    """SIGTERM as Kubernetes sends it (to a container's first process: the launcher alone) and as Slurm does (to
+    every process of the job step: the launcher's process group, each rank, which torch starts in a session of its
+    own, and dash-agent, which the launcher starts again) takes the emergency checkpoint as a cloud's notice does:
+    exit 75 with the same line, the step committed, and the same command resumes at the very next step."""
+    out, job = tmp_path / "out", "sigterm"
+    cmd = dashrun_cmd(memd, "--cloud", "none", str(TRAIN), *NO_PERIODIC, "--out", str(out), "--delay", "0.1",
+                      job=job)
+    stopped: list[int] = []
+    for whole_group in (False, True):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        begun = stopped[-1] + 1 if stopped else 0
+        try:
+            wait_for(lambda: last_step(out) >= begun + 5 or proc.poll() is not None, 180, "5 steps trained")
+            if whole_group:
+                step_processes = psutil.Process(proc.pid).children(recursive=True)  # the ranks and dash-agent
+                assert len([p for p in step_processes if str(TRAIN) in p.cmdline()]) == 2
+                os.killpg(proc.pid, signal.SIGTERM)
+                for process in step_processes:
+                    process.send_signal(signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+        except BaseException:
+            kill_tree(proc)
+            raise
+        signalled = time.monotonic()
+        code, stderr = finish(proc)
+        assert code == PREEMPTED, stderr[-3000:]
+        assert time.monotonic() - signalled < 30  # the grace: torchrun's --shutdown-timeout
+        step = preempted_at(out, 0)[-1]
+        assert preempted_at(out, 1)[-1] == step and last_step(out) == step  # every rank, the same step, none after
+        assert f"preempted by SIGTERM: step {step} is safe in dash-memd; run the same command" in stderr
+        assert "dashrun: error" not in stderr
+        with memd.client() as client:
+            assert client.latest(job).step == step
+        stopped.append(step)
+
+    resume(memd, out, job)
+    assert starts(out) == [0, stopped[0] + 1, stopped[1] + 1]  # zero steps lost
+    assert_identical(reference, out)
 
 
 def test_an_early_warning_shortens_the_interval(memd_factory, fake_factory, tmp_path):

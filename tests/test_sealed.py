@@ -1,13 +1,16 @@
-"""The sealed records a TCP link goes on in after its TLS login (dashrun/wire/sealed.py), on real sockets.
+"""The records a TCP link goes on in after its login (dashrun/wire/sealed.py), on real sockets.
 
-Two channels on a socket pair exchange frames through :class:`Records`; a raw
-socket in between (or a copy of what one end wrote) lets a test alter,
-replay, reorder, splice or cut what crosses. Against a real dash-memd: the
-client's channel is sealed after the login and carries a shard both ways.
+Two channels on a socket pair exchange frames through :class:`Records` (sealed,
+after a TLS login) or :class:`SignedRecords` (``--no-tls``); a raw socket in
+between (or a copy of what one end wrote) lets a test alter, replay, reorder,
+splice or cut what crosses. Against a real dash-memd: the client's channel is
+sealed (or signed) after the login and carries a shard both ways, and a relay
+that alters or injects bytes after a ``--no-tls`` login is found out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import ssl
@@ -19,9 +22,10 @@ from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
 from dashrun.wire import sealed
 from dashrun.wire.channel import CHUNK, Channel
 from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.tls import TlsSettings
 from dashrun.wire.messages import ShardHeader
-from dashrun.wire.protocol import Kind
-from dashrun.wire.sealed import MAX_RECORD, Records
+from dashrun.wire.protocol import Kind, encode_body, encode_header
+from dashrun.wire.sealed import MAX_RECORD, Records, SignedRecords
 
 KEY_A, KEY_B = bytes(range(32)), bytes(range(32, 64))
 
@@ -33,14 +37,14 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def sealed_pair() -> tuple[Channel, Channel]:
+def sealed_pair(kind: type[Records] = Records) -> tuple[Channel, Channel]:
     """Two channels on a loopback TCP connection (a channel reads a Unix socket's headers with recvmsg)."""
     a, b = tcp_pair()
     for s in (a, b):
         s.settimeout(10)
     left, right = Channel(a), Channel(b)
-    left.seal(Records(a, KEY_A, KEY_B))
-    right.seal(Records(b, KEY_B, KEY_A))
+    left.seal(kind(a, KEY_A, KEY_B))
+    right.seal(kind(b, KEY_B, KEY_A))
     return left, right
 
 
@@ -58,12 +62,12 @@ def written_by(records: Records, *payloads: bytes) -> bytes:
     return b"".join(chunks)
 
 
-def reader_of(wire: bytes, send_key: bytes = KEY_B, recv_key: bytes = KEY_A) -> Records:
+def reader_of(wire: bytes, send_key: bytes = KEY_B, recv_key: bytes = KEY_A, kind: type[Records] = Records) -> Records:
     """Records reading ``wire`` (then the end of the stream)."""
     out, into = socket.socketpair()
     threading.Thread(target=lambda: (out.sendall(wire), out.shutdown(socket.SHUT_WR)), daemon=True).start()
     into.settimeout(10)
-    return Records(into, send_key, recv_key)
+    return kind(into, send_key, recv_key)
 
 
 def read_all(records: Records, nbytes: int) -> bytes:
@@ -203,3 +207,181 @@ def test_a_tls_login_leaves_the_channel_sealed(memd):
             c.get_shard_into("sealed-job", 1, 0, [memoryview(back)])
             assert back == payload
         assert c._ch is ch  # one connection throughout
+
+
+# --- signed records: --no-tls ---------------------------------------------------------------------------
+
+
+def test_signed_records_carry_frames_of_every_size_in_the_clear():
+    left, right = sealed_pair(SignedRecords)
+    sizes = [0, 1, 17, CHUNK - 1, CHUNK, CHUNK + 1, 3 * MAX_RECORD + 5]
+    payloads = [os.urandom(n) for n in sizes]
+    seen = []
+
+    def receive():
+        for _ in sizes:
+            frame = right.recv(max_data=1 << 30)
+            buf = bytearray(frame.data_len)
+            right.recv_data_into(frame, [memoryview(buf)])
+            seen.append((frame.body["n"], bytes(buf)))
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    for n, payload in zip(sizes, payloads):
+        left.send(Kind.PING, {"n": n}, data=[payload] if payload else None)
+    reader.join(30)
+    assert seen == list(zip(sizes, payloads))
+    marker = b"plaintext-marker" * 4096
+    wire = written_by(SignedRecords(None, KEY_A, KEY_B), marker)
+    assert len(wire) == 4 + 16 + len(marker) and wire.endswith(marker)  # the bytes as they are, after the tag
+
+
+@pytest.mark.parametrize("at", [0, 3, 4, 19, 20, 40, -1], ids=["length", "length-end", "tag", "tag-end", "bytes",
+                                                                "middle", "last"])
+def test_a_bit_flipped_anywhere_in_a_signed_record_drops_the_connection(at):
+    wire = bytearray(written_by(SignedRecords(None, KEY_A, KEY_B), os.urandom(64)))
+    wire[at] ^= 0x01
+    with pytest.raises((UnavailableError, ProtocolError)):
+        read_all(reader_of(bytes(wire), kind=SignedRecords), 64)
+
+
+def test_signed_records_replayed_reordered_or_from_another_link_are_refused():
+    first, second = b"first record", b"second record"
+    wire = written_by(SignedRecords(None, KEY_A, KEY_B), first, second)
+    one = 4 + 16 + len(first)
+    with pytest.raises(UnavailableError, match="authentication"):
+        read_all(reader_of(wire[one:] + wire[:one], kind=SignedRecords), len(second))
+    replayed = reader_of(wire[:one] + wire[:one], kind=SignedRecords)
+    assert read_all(replayed, len(first)) == first
+    with pytest.raises(UnavailableError, match="authentication"):
+        read_all(replayed, len(first))
+    sealed_keys_signed = written_by(Records(None, KEY_A, KEY_B), first)  # a sealed record is no signed one
+    with pytest.raises((UnavailableError, ProtocolError)):
+        read_all(reader_of(sealed_keys_signed, kind=SignedRecords), len(first))
+    received = reader_of(wire, kind=SignedRecords)
+    part = bytearray(5)
+    assert received.recv_into(memoryview(part), 5) == 5 and part == first[:5]  # a record taken in pieces
+    assert read_all(received, len(first) - 5 + len(second)) == first[5:] + second
+
+
+def test_a_no_tls_login_leaves_the_channel_signed(memd_factory):
+    memd = memd_factory("--memory-limit", "64MiB", "--no-tls")
+    payload = os.urandom(3 * CHUNK + 11)
+    with memd.client(timeout=10) as c:
+        c.ping()
+        assert isinstance(c._ch._records, SignedRecords)
+        assert c.put_shard(ShardHeader("signed-job", 1, 0, 1, len(payload), 0, len(payload), 0, 0, "ab" * 32),
+                           [payload])["committed"]
+        back = bytearray(len(payload))
+        c.get_shard_into("signed-job", 1, 0, [memoryview(back)])
+        assert back == payload
+
+
+def _frame(kind: Kind, body: dict) -> bytes:
+    encoded = encode_body(body)
+    return encode_header(kind, encoded) + encoded
+
+
+#: What a client sends to log in: HELLO and AUTH (each body a 64-digit hex field), then it waits for WELCOME.
+LOGIN_BYTES = len(_frame(Kind.HELLO, {"nonce": "0" * 64})) + len(_frame(Kind.AUTH, {"mac": "0" * 64}))
+
+
+class TamperingRelay:
+    """A relay on loopback to ``target`` for one connection: dash-memd's bytes go through as they are, the
+    client's too but for ``inject`` (sent before the client's byte at offset ``at``) and one bit of the client's
+    byte at offset ``flip``. Stopped (its sockets closed, its threads joined) by :meth:`close`."""
+
+    def __init__(self, target: tuple[str, int], *, at: int = 0, inject: bytes = b"", flip: int | None = None):
+        self.target, self.at, self.inject, self.flip = target, at, inject, flip
+        self.tampered = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._serve, daemon=True)]
+        self._threads[0].start()
+
+    def _serve(self) -> None:
+        try:
+            client, _ = self._listener.accept()
+        except OSError:  # closed before anyone connected
+            return
+        server = socket.create_connection(self.target, timeout=10)
+        self._sockets += [client, server]
+        back = threading.Thread(target=self._pump, args=(server, client, False), daemon=True)
+        self._threads.append(back)
+        back.start()
+        self._pump(client, server, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
+        offset = 0
+        try:
+            while chunk := bytearray(src.recv(1 << 16)):
+                start, offset = offset, offset + len(chunk)
+                if tamper and self.flip is not None and start <= self.flip < offset:
+                    chunk[self.flip - start] ^= 0x04
+                    self.tampered.set()
+                if tamper and self.inject and start <= self.at < offset:
+                    cut = self.at - start
+                    chunk[cut:cut] = self.inject
+                    self.tampered.set()
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()
+        for thread in self._threads:
+            thread.join(10)
+
+
+@pytest.fixture
+def no_tls_memd_with_a_checkpoint(memd_factory):
+    """A --no-tls dash-memd holding job ``kept`` step 1 (stored over a direct connection)."""
+    memd = memd_factory("--memory-limit", "64MiB", "--no-tls")
+    payload = os.urandom(4096)
+    with memd.client(timeout=10) as c:
+        assert c.put_shard(ShardHeader("kept", 1, 0, 1, len(payload), 0, len(payload), 0, 0, "ab" * 32),
+                           [payload])["committed"]
+    return memd
+
+
+def test_a_frame_injected_after_a_no_tls_login_is_refused(no_tls_memd_with_a_checkpoint):
+    """Frames are easy to forge (their checksums are CRCs anyone computes): one put on the path after the login,
+    a DELETE of the job, ends the connection and deletes nothing."""
+    memd = no_tls_memd_with_a_checkpoint
+    relay = TamperingRelay((memd.host, memd.port), at=LOGIN_BYTES, inject=_frame(Kind.DELETE, {"job": "kept",
+                                                                                                "keep": 0}))
+    try:
+        with MemdClient(relay.host, relay.port, memd.token, timeout=10, tls=TlsSettings(plaintext=True)) as c:
+            with pytest.raises((UnavailableError, ProtocolError)):
+                c.ping()
+        assert relay.tampered.is_set()
+    finally:
+        relay.close()
+    with memd.client(timeout=10) as c:
+        assert c.latest("kept").step == 1
+
+
+@pytest.mark.parametrize("kind_byte", [LOGIN_BYTES + 5, LOGIN_BYTES + 4 + 16 + 5],
+                         ids=["where-an-unsigned-frame-has-its-kind", "the-kind-of-the-frame-in-the-record"])
+def test_a_bit_flipped_after_a_no_tls_login_is_detected(no_tls_memd_with_a_checkpoint, kind_byte):
+    """A bit of a request's kind flipped on the path makes another valid request, its checksums intact
+    (LATEST, 18, becomes PING, 22): unsigned, the client would read "no checkpoint"; signed, the record fails
+    its tag (the frame's header follows the record's length and tag) and the connection ends."""
+    memd = no_tls_memd_with_a_checkpoint
+    relay = TamperingRelay((memd.host, memd.port), flip=kind_byte)
+    try:
+        with MemdClient(relay.host, relay.port, memd.token, timeout=10, tls=TlsSettings(plaintext=True)) as c:
+            with pytest.raises(UnavailableError):
+                c.latest("kept")
+        assert relay.tampered.is_set()
+    finally:
+        relay.close()
+    with memd.client(timeout=10) as c:
+        assert c.latest("kept").step == 1

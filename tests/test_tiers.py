@@ -341,6 +341,39 @@ class TestDiskTier(TierConformance):
             disk.check(new.shards[rank])
         assert any("interrupted write" in p for p in problems)          # the old attempt, cleared away
 
+    @pytest.mark.parametrize("new_complete", [True, False], ids=["new-complete", "new-incomplete"])
+    def test_without_renameat2_a_crash_between_the_renames_recovers_the_complete_copy(self, tmp_path, new_complete):
+        disk = DiskTier(tmp_path / "d")
+        old, old_data = make_checkpoint(step=4)
+        disk.put(old, [memoryview(d) for d in old_data])
+        new, new_data = make_checkpoint(step=4)
+        (tmp_path / "new.json").write_text(json.dumps(new.to_body()))
+        for rank, payload in enumerate(new_data):
+            (tmp_path / f"new-{rank}").write_bytes(payload)
+        writer = (
+            "import json, sys; from pathlib import Path\n"
+            "from dashrun.memd.tiers import DiskTier, disk\n"
+            "from dashrun.wire.messages import CheckpointInfo\n"
+            "disk._RENAMEAT2 = None  # a libc without renameat2: the old copy is moved aside, then the new one in\n"
+            "root = Path(sys.argv[1])\n"
+            "info = CheckpointInfo.from_body(json.loads((root / 'new.json').read_text()))\n"
+            "data = [memoryview((root / f'new-{r}').read_bytes()) for r in range(info.world)]\n"
+            "DiskTier(root / 'd').put(info, data)\n")
+        result = subprocess.run([sys.executable, "-c", writer, str(tmp_path)], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "DASH_CRASH_AT": "disk.mid_replace@step=4"})
+        assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+        job_dir = tmp_path / "d" / "jobs" / "job-a"
+        assert not (job_dir / f"{4:016d}").exists()                     # killed between the two renames
+        if not new_complete:  # the new copy lost a file (as if it had been cut short): the old one is whole
+            next(job_dir.glob(".tmp-*")).joinpath("rank-00001.bin").unlink()
+        found, problems = DiskTier(tmp_path / "d").scan_report()
+        kept = new if new_complete else old
+        assert [i.shards for i in found] == [kept.shards]
+        for rank in range(kept.world):
+            disk.check(kept.shards[rank])
+        assert any(p.startswith("recovered") for p in problems), problems
+        assert [p.name for p in job_dir.iterdir()] == [f"{4:016d}"]    # the other copy, cleared away
+
     def test_without_renameat2_a_new_attempt_still_replaces_the_old(self, tmp_path, monkeypatch):
         monkeypatch.setattr(disk_tier, "_RENAMEAT2", None)              # a libc without it
         self.test_a_new_attempt_at_the_same_step_replaces_the_old(DiskTier(tmp_path / "d"))

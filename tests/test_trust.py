@@ -9,6 +9,7 @@ keeps specs (its disk, the bucket) is not enough to make a node run a command.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import subprocess
@@ -16,10 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import kill_tree
+from conftest import Memd, kill_tree
 
 from dashrun.errors import UsageError
 from dashrun.memd.tiers.base import SPEC
+from dashrun.util import tokens
 from dashrun.util.tokens import read_token, write_token
 from dashrun.wire.messages import JobSpec
 
@@ -100,6 +102,50 @@ def test_every_command_refuses_a_token_file_others_may_read(tmp_path, short_tmp)
     finally:
         stop_all(running.values())
     assert not (short_tmp / "a.sock").exists() and not (tmp_path / "d").exists()
+
+
+# --- a weak token ----------------------------------------------------------------------------------
+
+
+def private_token(path: Path, token: bytes) -> Path:
+    path.write_bytes(token + b"\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.parametrize("token, why", [
+    (b"0123456789abcdef0123", "20 characters of its alphabet hold 80 bits at best, fewer than 256"),
+    (b"a" * 64, "it uses only 1 distinct characters"),
+    (b"0123456789abcdef" * 4, "it repeats a block of 16 characters"),
+], ids=["short", "one-character", "repeated"])
+def test_a_weak_token_is_taken_with_one_warning(tmp_path, caplog, monkeypatch, token, why):
+    monkeypatch.setattr(tokens, "_warned", set())  # what this process warned about already
+    path = private_token(tmp_path / "token", token)
+    with caplog.at_level(logging.WARNING, logger=tokens.__name__):
+        assert read_token(path) == token
+        assert read_token(path) == token  # every command and link reads it: one warning still
+        assert read_token(path, warn=False) == token
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == tokens.__name__]
+    assert f"the token in {path} is weak: {why}" in warning and "dash-memd token --out" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=tokens.__name__):
+        assert read_token(path) == token  # not again
+        strong = write_token(tmp_path / "strong")
+        assert read_token(tmp_path / "strong") == strong and tokens.token_weakness(strong) is None
+    assert not caplog.records
+
+
+def test_dash_memd_and_dashrun_s_commands_warn_of_a_weak_token_at_start(tmp_path):
+    token = private_token(tmp_path / "weak-token", b"0123456789abcdeffedcba9876543210")  # 128 bits
+    memd = Memd(tmp_path / "data", token, log_path=tmp_path / "memd.log").start()
+    try:
+        assert memd.log().count("is weak: 32 characters of its alphabet hold 128 bits at best") == 1
+        status = subprocess.run([sys.executable, "-m", "dashrun", "status", "--memd", memd.address,
+                                 "--token-file", str(token)], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr[-2000:]
+        assert status.stderr.count(f"the token in {token} is weak") == 1
+    finally:
+        memd.stop()
 
 
 # --- the launch spec -----------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class Target:
                    int(generation) if generation.isdigit() else 0)
 
     def client(self) -> MemdClient:
-        return MemdClient(*self.memd, read_token(self.token_file), tls=self.tls)
+        return MemdClient(*self.memd, read_token(self.token_file, warn=False), tls=self.tls)  # the launcher warned
 
 
 class Connected:

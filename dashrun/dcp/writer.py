@@ -192,7 +192,7 @@ class Writer(Connected, StorageWriter):
                 buffer.write(position, view)
                 position += len(view)
             request = SnapshotRequest(header, ready=header.nbytes)
-            self._link.request(Kind.SNAPSHOT, request.to_body(), fds=[buffer.fd]).result(self.commit_timeout)
+            self._link.call(Kind.SNAPSHOT, request.to_body(), fds=[buffer.fd], timeout=self.commit_timeout)
         finally:
             buffer.close()  # the agent holds its own descriptor of the segment while it still reads it
         if wait_commit:

@@ -174,9 +174,9 @@ def status(job, memd, token_file, json) -> None:  # noqa: A002 (the name makes t
     With JOB: that job, and its membership history (nodes that joined, left or died, and the world size).
     """
     with connect(memd, token_file) as client:
-        listing = client.list()
+        listing = client.list(_job(job) if job is not None else None)
         if job is not None:
-            _job_status(client, listing, _job(job), json)
+            _job_status(client, listing, job, json)
             return
     if json:
         _print_json(listing)
@@ -191,6 +191,15 @@ def status(job, memd, token_file, json) -> None:  # noqa: A002 (the name makes t
                       + (f" ([red]{escape(listing['object_error'])}[/])" if listing.get("object_error") else ""),
                       highlight=False)
     _print_jobs(listing.get("jobs", []))
+    if listing.get("jobs_left"):
+        console.print(f"... and {listing['jobs_left']} more jobs, not shown (dashrun status JOB shows one)",
+                      highlight=False)
+
+
+def _nodes(job: dict) -> str:
+    """A job's nodes as its line in the table shows them: the most recent ones, and how many others."""
+    names = ", ".join(sorted(job.get("nodes", {}))) or "-"
+    return names + (f" (+{job['nodes_more']} more)" if job.get("nodes_more") else "")
 
 
 def _print_jobs(jobs: list[dict]) -> None:
@@ -205,7 +214,7 @@ def _print_jobs(jobs: list[dict]) -> None:
             format_size(newest["nbytes"]) if newest else "-",
             _age(newest["committed_at"]) if newest else "-",
             str(newest["world"]) if newest else "-",
-            ", ".join(sorted(job.get("nodes", {}))) or "-",
+            _nodes(job),
             f"{notice['kind']} {_age(notice['at'])}" if notice else "-",
         )
     console.print(table)
@@ -234,8 +243,8 @@ def _print_jobs(jobs: list[dict]) -> None:
 def ls(job, memd, token_file, json) -> None:  # noqa: A002
     """The committed checkpoints of JOB."""
     with connect(memd, token_file) as client:
-        listing = client.list()
-    entry = next((j for j in listing.get("jobs", []) if j["job"] == _job(job)), None)
+        listing = client.list(_job(job))
+    entry = next((j for j in listing.get("jobs", []) if j["job"] == job), None)
     if entry is None:
         raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
     if json:
@@ -285,11 +294,14 @@ def gc(job, keep, memd, token_file) -> None:
 
 @cli.command()
 @click.argument("job")
+@click.option("--force-live", is_flag=True, show_envvar=True,
+              help="Delete JOB even while nodes of it are alive (they heartbeat in its rendezvous): they lose every "
+                   "checkpoint and their rendezvous.")
 @memd_options
-def rm(job, memd, token_file) -> None:
-    """Delete JOB: every checkpoint and its launch spec."""
+def rm(job, force_live, memd, token_file) -> None:
+    """Delete JOB: every checkpoint, its launch spec and its rendezvous. Refused while nodes of it are alive."""
     with connect(memd, token_file) as client:
-        deleted = client.delete(_job(job), 0)
+        deleted = client.delete(_job(job), 0, force_live=force_live)
     console.print(f"removed {job} ({len(deleted)} checkpoints)")
 
 

@@ -11,12 +11,21 @@ them (:mod:`dashrun.launch.placement`): a process inherits the CPU affinity
 of the thread that starts it. An elastic job (``--nnodes MIN:MAX`` with a
 shared dash-memd) runs under dashrun's own agent instead
 (:mod:`dashrun.launch.elastic`), its rendezvous in dash-memd.
+
+A launcher that dies takes its node with it: each rank starts behind
+:mod:`dashrun.launch.deathsig` (killed by the kernel when the launcher dies,
+``kill -9`` included), and dash-agent and the private dash-memd watch their
+parent (``--parent-pid``), finish what they hold and exit. SIGTERM and SIGINT
+are a preemption notice (:class:`~dashrun.launch.preemption.StopSignals`);
+the job's disk trouble in dash-memd is a line on the terminal
+(:mod:`dashrun.launch.diskwatch`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -30,12 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from dashrun import env
 from dashrun.env import PreemptionRecord
 from dashrun.errors import AuthError, ExitCode, RestoreMismatchError, UnavailableError, UsageError
+from dashrun.launch.diskwatch import DiskWatch
 from dashrun.launch.options import LaunchOptions, apply_torchrun_defaults, options_from_args
 from dashrun.launch.placement import Placement, plan
-from dashrun.launch.preemption import PreemptionWatcher, report_preempted
+from dashrun.launch.preemption import PreemptionWatcher, StopSignals, report_preempted, torch_signals
 from dashrun.launch.private_memd import PrivateMemd
 from dashrun.util import daemon
 from dashrun.util.cpus import thread_affinity
@@ -56,6 +68,8 @@ AGENT_MAX_RESTARTS = 10
 #: Seconds to wait for an unreachable dash-memd before giving up at launch, and the pause between tries.
 MEMD_WAIT = 30.0
 MEMD_RETRY_PAUSE = 2.0
+#: What each rank's command starts behind (run by path: see the module).
+DEATHSIG = Path(__file__).with_name("deathsig.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,40 +251,75 @@ def run(config: NodeConfig) -> int:
 
     options, placement = config.options, config.placement
     _name_rendezvous_callers_cheaply()
-    with contextlib.ExitStack() as stack:
-        if options.memd is None:
-            with thread_affinity(placement.agent):  # it receives dash-agent's stream: off the ranks' cores too
-                private = stack.enter_context(PrivateMemd(attach=False, no_tls=options.tls.plaintext))
-            options = dataclasses.replace(options, memd=private.address, token_file=private.token_file)
-            log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd, private.root)
-        else:
-            log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
-        newest = prepare_job(options, list(config.argv), config.launch_config.run_id if config.elastic else None)
-        _say_where_it_starts(options.job_id, newest)
-        agent = stack.enter_context(AgentProcess(options, placement.agent,
-                                                 prefetch=fetch_ahead(config.launch_config.nproc_per_node)))
-        os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
-        os.environ[env.JOB_ID.name] = options.job_id
-        _pass_memd_to_ranks(options)
-        watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PreemptionRecord.FILE))
-        try:
-            # torch's agent starts (and restarts) the ranks from this thread: they inherit its CPUs.
-            with thread_affinity(placement.ranks):
-                if config.elastic:
-                    elastic.launch(config.launch_config, config.entrypoint, config.entrypoint_args, options,
-                                   str(agent.socket_path), preempted=lambda: watcher.record() is not None)
-                else:
-                    elastic_launch(config.launch_config, config.entrypoint)(*config.entrypoint_args)
-        except ChildFailedError as e:
-            if watcher.record() is None:
-                return _report_child_failure(e)
-        except SignalException as e:
-            if watcher.record() is None:
-                print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
-                return int(ExitCode.FAILED)
-        if watcher.record() is not None:
-            return report_preempted(options, watcher)
-    return int(ExitCode.OK)
+    launch_config = copy.copy(config.launch_config)
+    launch_config.signals_to_handle = torch_signals(launch_config.signals_to_handle)  # SIGTERM, SIGINT: ours
+    entrypoint, entrypoint_args = _tied_to_launcher(config.entrypoint, config.entrypoint_args)
+    private: PrivateMemd | None = None
+    agent: AgentProcess | None = None
+    stop = StopSignals(float(launch_config.shutdown_timeout),
+                       ranks=lambda: _ranks(spare=(agent and agent.proc, private and private.proc)))
+    stop.install()  # from here on a stop signal is news, not the end: a run set up meanwhile starts no rank
+    try:
+        with contextlib.ExitStack() as stack:
+            if options.memd is None:
+                with thread_affinity(placement.agent):  # it receives dash-agent's stream: off the ranks' cores too
+                    private = stack.enter_context(PrivateMemd(attach=False, no_tls=options.tls.plaintext))
+                options = dataclasses.replace(options, memd=private.address, token_file=private.token_file)
+                log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd,
+                         private.root)
+            else:
+                log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
+            newest = prepare_job(options, list(config.argv), launch_config.run_id if config.elastic else None)
+            _say_where_it_starts(options.job_id, newest)
+            agent = stack.enter_context(AgentProcess(options, placement.agent,
+                                                     prefetch=fetch_ahead(launch_config.nproc_per_node)))
+            os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)
+            os.environ[env.JOB_ID.name] = options.job_id
+            os.environ[env.TERM_GRACE.name] = f"{stop.grace:g}"
+            _pass_memd_to_ranks(options)
+            stack.enter_context(DiskWatch(options))
+            watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PreemptionRecord.FILE, stop))
+            try:
+                if stop.signal is None:
+                    stop.launching = True
+                    # torch's agent starts (and restarts) the ranks from this thread: they inherit its CPUs.
+                    with thread_affinity(placement.ranks):
+                        if config.elastic:
+                            elastic.launch(launch_config, entrypoint, entrypoint_args, options, str(agent.socket_path),
+                                           preempted=lambda: watcher.record() is not None or stop.signal is not None)
+                        else:
+                            elastic_launch(launch_config, entrypoint)(*entrypoint_args)
+            except ChildFailedError as e:
+                if watcher.record() is None and stop.signal is None:
+                    return _report_child_failure(e)
+            except SignalException as e:
+                if watcher.record() is None and stop.signal is None:
+                    print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
+                    return int(ExitCode.FAILED)
+            finally:
+                stop.launching = False
+            if watcher.record() is not None or stop.signal is not None:
+                return report_preempted(options, watcher)
+        return int(ExitCode.OK)
+    finally:
+        stop.restore()
+
+
+def _ranks(spare) -> set[int]:
+    """The pids of this node's ranks: the launcher's children (torch starts them as such) but its daemons."""
+    try:
+        children = {child.pid for child in psutil.Process().children()}
+    except psutil.Error:
+        return set()
+    return children - {proc.pid for proc in spare if proc}
+
+
+def _tied_to_launcher(entrypoint: Any, args: tuple) -> tuple[Any, tuple]:
+    """The ranks' command, started behind :mod:`dashrun.launch.deathsig` on Linux: a rank dies with its launcher.
+    A function (torchrun's ``--run-path``) runs in a process torch's multiprocessing starts: left as it is."""
+    if not isinstance(entrypoint, str) or not sys.platform.startswith("linux"):
+        return entrypoint, args
+    return sys.executable, ("-S", str(DEATHSIG), str(os.getpid()), entrypoint, *args)
 
 
 def _say_where_it_starts(job_id: str, newest: CheckpointInfo | None) -> None:

@@ -7,6 +7,11 @@ between commands, so the next run with the same job id resumes. dash-memd
 locks its data dir, so one private daemon serves one launcher at a time;
 the inspection commands (``status``, ``ls``, ``export``, ...) attach to the
 running one, or start their own for the length of the command.
+
+It runs in a session of its own (terminal signals reach the launcher only)
+and watches its launcher (``--parent-pid``): a launcher killed outright
+(``kill -9``) leaves it to finish its disk writes and exit by itself, and the
+next command waits for that instead of finding the data dir in use.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ START_TIMEOUT = 60.0
 #: Seconds dash-memd gets to finish its disk writes when stopped.
 STOP_TIMEOUT = 120.0
 ADDRESS_FILE = "memd.addr"
+#: dash-memd's lock file in its data dir, with its pid (``dashrun.memd.server.LOCK_FILE``, spelled here so that a
+#: launch does not import dash-memd)
+LOCK_FILE = "LOCK"
 
 
 def home() -> Path:
@@ -37,8 +45,41 @@ def home() -> Path:
     return Path(cache) / "dashrun" / "memd"
 
 
+def _holder(data_dir: Path) -> psutil.Process | None:
+    """The dash-memd that holds the data dir's lock, as the pid it wrote in the lock file says (None: unknown)."""
+    try:
+        pid = int((data_dir / LOCK_FILE).read_text().strip())
+        return psutil.Process(pid)
+    except (OSError, ValueError, psutil.Error):
+        return None
+
+
+def _launcher_gone(holder: psutil.Process | None) -> bool:
+    """Whether ``holder`` is a private dash-memd whose launcher (its ``--parent-pid``) is gone: it is writing
+    what it holds to disk before it exits by itself."""
+    try:
+        argv = holder.cmdline() if holder is not None else []
+        parent = int(argv[argv.index("--parent-pid") + 1])
+        return holder.ppid() != parent
+    except (ValueError, IndexError, psutil.Error):
+        return False
+
+
+def _in_use(data_dir: Path, holder: psutil.Process | None) -> str:
+    """Who holds the private dash-memd, for a message: its pid and the pid of the dashrun it serves."""
+    if holder is None:
+        return f"the private dash-memd ({data_dir}) is in use by another dashrun on this machine"
+    try:
+        parent = holder.ppid()
+    except psutil.Error:
+        parent = None
+    by = f", started by pid {parent}" if parent and parent != 1 else ""
+    return (f"the private dash-memd ({data_dir}) is in use by another dashrun on this machine (dash-memd pid "
+            f"{holder.pid}{by})")
+
+
 def _locked(data_dir: Path) -> bool:
-    path = data_dir / "LOCK"
+    path = data_dir / LOCK_FILE
     if not path.exists():
         return False
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -68,10 +109,13 @@ class PrivateMemd:
             write_token(self.token_file)
         address_file = self.root / ADDRESS_FILE
         if _locked(self.root):
+            holder = _holder(self.root)
+            if _launcher_gone(holder):
+                self._wait_for_exit(holder)
+        if _locked(self.root):
             if not self.attach:
-                raise UsageError(
-                    f"the private dash-memd ({self.root}) is in use by another dashrun on this machine",
-                    hint="to run jobs side by side, start one with 'dash-memd start' and pass --memd to both")
+                raise UsageError(_in_use(self.root, _holder(self.root)), hint="to run jobs side by side, start one "
+                                 "with 'dash-memd start' and pass --memd to both")
             self.address = parse_address(address_file.read_text(), what="private dash-memd address")
             return self
         address_file.unlink(missing_ok=True)
@@ -79,7 +123,7 @@ class PrivateMemd:
         self.proc = daemon.start(
             [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir", str(self.root),
              "--token-file", str(self.token_file), "--memory-limit", str(memory), "--ready-file", str(address_file),
-             *(["--no-tls"] if self.no_tls else [])],
+             "--parent-pid", str(os.getpid()), *(["--no-tls"] if self.no_tls else [])],
             ready=daemon.file_written(address_file), what="the private dash-memd", timeout=START_TIMEOUT,
             log=self.root / "memd.log", start_new_session=True)
         try:
@@ -88,6 +132,16 @@ class PrivateMemd:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _wait_for_exit(self, holder: psutil.Process) -> None:
+        """The private dash-memd of a dashrun that died (``kill -9``) finishes its disk writes, then exits: wait for
+        it (up to its own stop timeout), so that this command resumes from everything it held."""
+        print(f"dashrun: the private dash-memd of a dashrun that is gone (pid {holder.pid}) is writing its "
+              "checkpoints to disk; waiting for it to exit", file=sys.stderr)
+        try:
+            holder.wait(timeout=STOP_TIMEOUT)
+        except psutil.TimeoutExpired:
+            pass  # still there: the lock says so, and the caller names the pid
 
     def __exit__(self, *exc) -> None:
         if self.proc is None:

@@ -47,6 +47,7 @@ from dashrun.errors import DashError, UnavailableError
 from dashrun.launch.options import LaunchOptions, max_nodes
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.tokens import read_token
+from dashrun.wire.heartbeats import DEFAULT_KEEP_ALIVE, KEEP_ALIVE, MAX_NODES, KeepAlive, liveness
 from dashrun.wire.memd_client import MemdClient, StoreTimeoutError
 
 __all__ = [
@@ -62,7 +63,8 @@ BACKEND = "dashrun"
 #: ``keep_alive_interval * keep_alive_max_attempt`` seconds without a heartbeat (torch: 5 * 3), so survivors
 #: learn of a death within 10 s; ``last_call`` is how long a round waits for more nodes once MIN are there
 #: (torch: 30 s): a shrink should not wait for nodes that are gone, and a late node joins at a checkpoint.
-RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5, "last_call_timeout": 1, "join_timeout": 600,
+RDZV_DEFAULTS = {"keep_alive_interval": int(DEFAULT_KEEP_ALIVE.interval),
+                 "keep_alive_max_attempt": DEFAULT_KEEP_ALIVE.max_attempt, "last_call_timeout": 1, "join_timeout": 600,
                  "close_timeout": 30, "heartbeat_timeout": 5}
 #: Seconds a blocking get of the bootstrap store waits server-side at most, per request.
 STORE_GET_SLICE = 60.0
@@ -105,13 +107,14 @@ class MemdConnection:
             self._client.close()
 
 
-#: Bounds on a rendezvous state read from dash-memd: nodes in each of its lists, and a node's address.
-MAX_NODES = 4096
+#: Bound on a rendezvous state read from dash-memd: a node's address (its lists: MAX_NODES nodes each).
 MAX_ADDR = 255
 
 
-def state_to_wire(state: bytes) -> bytes:
-    """torch's state holder pickles its ``_RendezvousState``; what goes to dash-memd is that state as JSON.
+def state_to_wire(state: bytes, keep_alive: KeepAlive = DEFAULT_KEEP_ALIVE) -> bytes:
+    """torch's state holder pickles its ``_RendezvousState``; what goes to dash-memd is that state as JSON, with
+    this node's heartbeat settings, by which dash-memd and a node launched with ``--fresh`` judge which members
+    are alive (:mod:`dashrun.wire.heartbeats`).
 
     The pickle is this process's own, made by torch a moment ago. No pickle
     crosses a process boundary: the other nodes read the JSON, checked, and
@@ -129,6 +132,7 @@ def state_to_wire(state: bytes) -> bytes:
         "wait_list": [node(d) for d in raw.wait_list],
         "redundancy_list": [node(d) for d in raw.redundancy_list],
         "last_heartbeats": [[*node(d), beat.timestamp()] for d, beat in raw.last_heartbeats.items()],
+        KEEP_ALIVE: keep_alive.to_wire(),
     }, separators=(",", ":")).encode()
 
 
@@ -186,11 +190,12 @@ def _time(value) -> datetime:
 
 class MemdRendezvousBackend(RendezvousBackend):
     """torch's rendezvous state, held by dash-memd: compare-and-set by token, persisted there. It travels as
-    checked JSON (:func:`state_to_wire`), never as a pickle."""
+    checked JSON (:func:`state_to_wire`), never as a pickle, with ``keep_alive``: the job's heartbeat settings."""
 
-    def __init__(self, options: LaunchOptions, run_id: str):
+    def __init__(self, options: LaunchOptions, run_id: str, keep_alive: KeepAlive = DEFAULT_KEEP_ALIVE):
         self.job = options.job_id
         self.run_id = run_id
+        self.keep_alive = keep_alive
         self._memd = MemdConnection(options, timeout=30)
         self._watch = MemdConnection(options, timeout=30)  # its own: a wait must not hold up the heartbeats
 
@@ -206,7 +211,7 @@ class MemdRendezvousBackend(RendezvousBackend):
         return state_from_wire(state), token
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
-        answer = self._call(lambda c: c.rendezvous_set(self.job, self.run_id, state_to_wire(state),
+        answer = self._call(lambda c: c.rendezvous_set(self.job, self.run_id, state_to_wire(state, self.keep_alive),
                                                        token if isinstance(token, int) else None))
         if answer is None:
             return None
@@ -457,24 +462,23 @@ def create_handler(options: LaunchOptions, params: RendezvousParameters) -> Dash
         return None if value is None else timedelta(seconds=value)
 
     timeout = RendezvousTimeout(seconds("join"), seconds("last_call"), seconds("close"), seconds("heartbeat"))
-    backend = MemdRendezvousBackend(options, params.run_id)
+    interval = params.get_as_int("keep_alive_interval", RDZV_DEFAULTS["keep_alive_interval"])
+    attempts = params.get_as_int("keep_alive_max_attempt", RDZV_DEFAULTS["keep_alive_max_attempt"])
+    backend = MemdRendezvousBackend(options, params.run_id, KeepAlive.bounded(interval, attempts))
     handler = DashRendezvousHandler.from_backend(
         params.run_id, MemdStore(options), backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
-        keep_alive_interval=params.get_as_int("keep_alive_interval", RDZV_DEFAULTS["keep_alive_interval"]),
-        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", RDZV_DEFAULTS["keep_alive_max_attempt"]))
+        keep_alive_interval=interval, keep_alive_max_attempt=attempts)
     handler._op_executor = _ChangeWaitingExecutor(handler, backend)
     return handler
 
 
 def running_elsewhere(client: MemdClient, job: str, run_id: str) -> bool:
-    """Whether nodes of the job's rendezvous are alive now (a heartbeat within the lapse that makes one dead)."""
+    """Whether nodes of the job's rendezvous are alive now: a heartbeat within the lapse that the job's own
+    settings (sent with the state by its nodes) allow, judged as dash-memd judges a whole-job delete."""
     found = client.rendezvous_get(job, run_id)
     if found is None:
         return False
     try:
-        heartbeats = list(pickle.loads(state_from_wire(found[0])).last_heartbeats.values())
-    except RendezvousStateError:  # not a state this dashrun reads: nothing to protect
+        return liveness(found[0], time.time()).live > 0
+    except ValueError:  # not a state this dashrun reads: nobody can rendezvous on it, nothing to protect
         return False
-    lapse = timedelta(seconds=RDZV_DEFAULTS["keep_alive_interval"] * RDZV_DEFAULTS["keep_alive_max_attempt"])
-    now = datetime.now(timezone.utc)
-    return any(now - beat < lapse for beat in heartbeats)

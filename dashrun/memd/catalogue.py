@@ -7,25 +7,26 @@ CRC-32C and the shards tile the replicated state; then ON_DISK once the disk
 tier holds it, IN_OBJECT_STORE once the bucket does (:mod:`.entry`). A
 checkpoint no tier holds leaves the catalogue.
 
-:class:`Catalogue` is what the server calls; it receives, commits, serves
-reads and deletes, and hands the rest to its parts, which share one
+:class:`Catalogue` is what the server calls; it serves reads and deletes,
+and hands the rest to its parts, which share one
 :class:`~dashrun.memd.ledger.Ledger` (one condition variable guards all
 bookkeeping; bytes move outside it):
 
+* :mod:`.receiver` — shards into RAM, and the commit;
 * :mod:`.retention` — how many checkpoints each tier keeps, which RAM may go;
 * :mod:`.disk_writer` — RAM to disk, in commit order;
 * :mod:`.uploader` — with an object tier: uploads, deletions and specs behind
-  the disk, and reads from the bucket;
+  the disk;
+* :mod:`.downloads` — reads from the bucket: one download per shard, shared;
 * :mod:`.verifier` — disk copies checked against their CRC-32C (on every read,
   and in the background after a start), bad ones quarantined.
 
-Reads fall through the tiers: RAM, else disk, else the bucket (downloaded into
-a RAM buffer for the read). A checkpoint being read is pinned (``readers``)
+Reads fall through the tiers: RAM, else disk (checked once per read
+session), else the bucket (downloaded into a RAM buffer once, shared by
+every read of the shard). A checkpoint being read is pinned (``readers``)
 and never evicted or deleted under the reader.
 
-Each rank's shard of a step is taken once: a copy of it that arrives while it
-is being received, or once the step is committed (an agent's retry, a zombie
-node), is refused and changes nothing. A deletion wins over a disk write or an
+A deletion wins over a disk write or an
 upload in progress and, through :mod:`.tombstones`, over the bucket's listing
 and a restart: nothing deleted comes back.
 """
@@ -33,23 +34,24 @@ and a restart: nothing deleted comes back.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import mmap
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from dashrun.errors import ChecksumError, ConflictError, DashError, NoSpaceError, NotFoundError, UnavailableError
+from dashrun.errors import ChecksumError, DashError, NotFoundError, UnavailableError
+from dashrun.memd import listing
 from dashrun.memd.disk_writer import DiskWriter
+from dashrun.memd.downloads import Downloads
 from dashrun.memd.entry import Entry, State
 from dashrun.memd.ledger import Ledger
+from dashrun.memd.receiver import Receiver, Ticket
 from dashrun.memd.retention import Retention
 from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.tombstones import Tombstone
 from dashrun.memd.uploader import Uploader
 from dashrun.memd.verifier import DiskVerifier
-from dashrun.util.units import format_size
-from dashrun.wire.blocks import Marks, check_marks
-from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader, tiling_problem
+from dashrun.wire.blocks import Marks
+from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader
 
 if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
     from dashrun.memd.tiers.object import ObjectTier
@@ -57,21 +59,6 @@ if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
 __all__ = ["Catalogue", "Entry", "State", "Ticket"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(eq=False)
-class Ticket:
-    """One shard being received into ``buffer``.
-
-    ``cancel``, set by the receiver, ends the receive at once (its connection's recv fails); called, with the
-    catalogue's lock held, when a newer copy of the shard, or a shard of a newer world, replaces this one.
-    """
-
-    entry: Entry
-    header: ShardHeader
-    buffer: mmap.mmap
-    cancel: Callable[[], None] | None = None
-    replaced: str | None = None  # why this copy is no longer wanted, once a newer one replaced it
 
 
 class Catalogue:
@@ -91,23 +78,28 @@ class Catalogue:
         self.uploader = (Uploader(self.ledger, objects, disk, self.retention, upload_queue=upload_queue)
                          if objects is not None else None)
         self.disk_writer = DiskWriter(self.ledger, disk, self.retention, self.uploader)
+        self.downloads = Downloads(self.ledger, self.retention, objects) if objects is not None else None
+        if self.downloads is not None:
+            self.retention.spare = self.downloads.evict_idle
         self.verifier = DiskVerifier(self.ledger, disk, self.disk_writer.lock)
         if self.uploader is not None:
             self.uploader.disk_copy_failed = self.verifier.failed
+        self.receiver = Receiver(self.ledger, self.retention, self.disk_writer)
         self._cond = self.ledger.cond
         self._nodes: dict[str, dict[str, float]] = {}  # job -> node -> when it last sent a shard
         self._notices: dict[str, dict] = {}            # job -> the last interruption notice a node reported
-        #: Raises (ConflictError) for a shard its job no longer takes: one of an older world generation
-        #: (:meth:`dashrun.memd.membership.Membership.check_shard`). Called as a shard is announced and as its
-        #: checkpoint commits, with the catalogue's lock held; it must not block.
-        self.fence: Callable[[ShardHeader], None] = lambda header: None
 
     # --- start-up ----------------------------------------------------------------
 
     def load_disk(self) -> list[str]:
         """Rebuild the catalogue from the disk tier's manifests and file sizes; returns what was skipped, and
-        why. The shards' bytes are checked later (:meth:`verify_next`) and before any read of them."""
-        infos, problems = self.disk.scan_report()
+        why. The shards' bytes are checked later (:meth:`verify_next`) and before any read of them.
+
+        A checkpoint a tombstone covers (deleted, but its removal undone by a crash, or failed) is removed
+        again, never loaded: with the bucket unreachable too, a start serves nothing deleted."""
+        found, problems = self.disk.scan_report()
+        infos, removed = self.disk.drop_deleted(found)
+        problems += removed
         specs = self.disk.specs()
         with self._cond:
             self.ledger.specs.update(specs)
@@ -135,178 +127,32 @@ class Catalogue:
     # --- receiving --------------------------------------------------------------------
 
     def begin_shard(self, header: ShardHeader, cancel: Callable[[], None] | None = None) -> Ticket:
-        """Reserve RAM for a shard about to arrive; ``cancel`` ends its receive (:class:`Ticket`). Raises
-        NoSpaceError if it cannot fit, ConflictError if the same rank's shard of that step is committed already
-        (a retry or a zombie node sending it again: what dash-memd holds is not touched) or the step is sent by
-        a newer world. A copy of a shard whose first copy still arrives replaces that receive: the first may
-        come over a link that died, whose receive would hold the step open until it timed out; a shard of a
-        newer world replaces the older world's shards of the step."""
-        if header.nbytes > self.ram.limit:
-            raise NoSpaceError(
-                f"a shard of {format_size(header.nbytes)} exceeds dash-memd's --memory-limit of "
-                f"{format_size(self.ram.limit)}")
-        with self._cond:
-            self.fence(header)
-            key = (header.job, header.step)
-            shape = (header.world, header.rep_total, header.layout)
-            committed = self.ledger.committed.get(header.job, {}).get(header.step)
-            if committed is not None and (committed.world, committed.rep_total, committed.layout) == shape:
-                raise ConflictError(f"{header.job} step {header.step} is already committed: rank {header.rank}'s "
-                                    "shard of it is not taken again", hint="the checkpoint dash-memd holds stays")
-            entry = self.ledger.receiving.get(key)
-            if entry and (entry.world, entry.rep_total, entry.layout) != shape:
-                log.info("%s step %d: a new attempt with another layout replaces the incomplete one",
-                         header.job, header.step)
-                self.ledger.drop_receiving(entry)
-                entry = None
-            if entry is not None and header.generation < entry.generation:
-                raise ConflictError(f"{header.job} step {header.step}: a shard of world generation "
-                                    f"{header.generation}, while world {entry.generation} sends this step: this node "
-                                    "was cut off from the job", hint="its ranks restart in the job's new world")
-            if entry is None:
-                entry = Entry(header.job, header.step, header.world, header.rep_total, header.layout,
-                              generation=header.generation)
-                self.ledger.receiving[key] = entry
-                log.info("%s step %d: receiving (%d ranks)", header.job, header.step, header.world)
-            try:
-                buffer = self.retention.reserve(header.nbytes, entry)
-            except NoSpaceError as e:
-                self._drop_if_empty(entry)
-                failing = sorted(set(self.disk_writer.failures.values()))
-                if failing:  # the disk is not slow but failing: say so, not "a faster disk"
-                    raise NoSpaceError(f"dash-memd's RAM is full of checkpoints its disk writes failed to save "
-                                       f"({'; '.join(failing)}); this checkpoint is refused, the previous one "
-                                       "stays valid", hint="free space in dash-memd's --data-dir (or mend its "
-                                       "disk): the writes are tried again") from None
-                raise e
-            if header.generation < entry.generation:  # a newer world came while the room was waited for
-                self.ram.release(buffer)
-                raise ConflictError(f"{header.job} step {header.step}: world generation {entry.generation} sends "
-                                    f"this step now, not {header.generation}", hint="its ranks restart in the "
-                                    "job's new world")
-            if header.generation > entry.generation:
-                self._newer_world(entry, header.generation)
-            stalled = entry.arriving.get(header.rank)
-            if stalled is not None:  # its first copy still arrives, maybe over a link that died: this one wins
-                log.info("%s step %d: a new copy of rank %d's shard replaces the one still arriving", header.job,
-                         header.step, header.rank)
-                self._replace(stalled, "a newer copy of the shard replaced it")
-            ticket = Ticket(entry, header, buffer, cancel)
-            entry.arriving[header.rank] = ticket
-            entry.touched = time.monotonic()
-            return ticket
-
-    def _replace(self, ticket: Ticket, why: str) -> None:
-        """With the lock held: ``ticket``'s receive is no longer wanted; end it (its buffer goes back when its
-        receiver aborts or finishes)."""
-        ticket.replaced = why
-        if ticket.entry.arriving.get(ticket.header.rank) is ticket:
-            del ticket.entry.arriving[ticket.header.rank]
-        if ticket.cancel is not None:
-            ticket.cancel()
-
-    def _newer_world(self, entry: Entry, generation: int) -> None:
-        """With the lock held: a shard of world ``generation`` arrives for ``entry``, which holds shards of an
-        older world (whose nodes died or were cut off while they sent it): those leave it, so that a committed
-        checkpoint's shards are all of one world, and the newer world's shards are kept."""
-        stale = sorted(r for r, shard in entry.shards.items() if shard.generation < generation)
-        log.info("%s step %d: world generation %d sends it; the shards of world %d (ranks %s) leave it", entry.job,
-                 entry.step, generation, entry.generation, ", ".join(map(str, stale)) or "none yet")
-        for rank in stale:
-            del entry.shards[rank]
-            entry.marks.pop(rank, None)
-            self.ram.release(entry.buffers.pop(rank))
-        for ticket in [t for t in entry.arriving.values() if t.header.generation < generation]:
-            self._replace(ticket, f"world generation {generation} sends this step now")
-        entry.generation = generation
-
-    def _drop_if_empty(self, entry: Entry) -> None:
-        if entry.state == State.RECEIVING and not entry.shards and not entry.arriving and not entry.dropped:
-            self.ledger.drop_receiving(entry)  # nothing of it arrived: leave no empty entry behind
+        """Reserve RAM for a shard about to arrive (:meth:`Receiver.begin_shard`)."""
+        return self.receiver.begin_shard(header, cancel)
 
     def abort_shard(self, ticket: Ticket) -> None:
-        with self._cond:
-            if ticket.entry.arriving.get(ticket.header.rank) is ticket:
-                del ticket.entry.arriving[ticket.header.rank]
-            self._drop_if_empty(ticket.entry)
-        self.ram.release(ticket.buffer)
+        self.receiver.abort_shard(ticket)
 
     def finish_shard(self, ticket: Ticket, crc: int, marks: Marks | None = None) -> bool:
-        """Store a verified shard; commit the checkpoint if it was the last. Returns True if committed.
-        ``marks``: its CRC-32C at every block's end as it arrived (see :mod:`dashrun.wire.blocks`), kept with it.
+        """Store a verified shard; commit its checkpoint if it was the last (:meth:`Receiver.finish_shard`)."""
+        return self.receiver.finish_shard(ticket, crc, marks)
 
-        The ticket's buffer goes into the checkpoint or back to the pool; a buffer the checkpoint already
-        holds is released only while it is still being received (a rank sending its shard again replaces
-        the copy that arrived before), never once it is committed.
-        """
-        entry, header = ticket.entry, ticket.header
-        if marks is not None:
-            check_marks(marks, header.nbytes, crc)
-        with self._cond:
-            if ticket.replaced is not None:
-                self.ram.release(ticket.buffer)
-                raise ConflictError(f"{entry.job} step {entry.step}: this copy of rank {header.rank}'s shard is not "
-                                    f"taken: {ticket.replaced}")
-            del entry.arriving[header.rank]
-            if entry.dropped:
-                self.ram.release(ticket.buffer)
-                return False
-            if entry.state != State.RECEIVING:  # committed while this copy arrived, from the copy before it
-                self.ram.release(ticket.buffer)
-                if entry.shards[header.rank].crc != crc:
-                    raise ConflictError(f"{entry.job} step {entry.step} was committed with another copy of rank "
-                                        f"{header.rank}'s shard while this one arrived; this one is not taken")
-                return True
-            old = entry.buffers.pop(header.rank, None)
-            if old is not None:
-                self.ram.release(old)
-            entry.shards[header.rank] = dataclasses.replace(header, crc=crc)
-            entry.buffers[header.rank] = ticket.buffer
-            if marks is not None:
-                entry.marks[header.rank] = marks
-            else:
-                entry.marks.pop(header.rank, None)
-            entry.touched = time.monotonic()
-            if len(entry.shards) < entry.world:
-                return False
-            shards = tuple(entry.shards[r] for r in range(entry.world))
-            problem = tiling_problem(shards, entry.rep_total, entry.layout)
-            if problem:
-                self.ledger.drop_receiving(entry)
-                raise ConflictError(f"{entry.job} step {entry.step} cannot commit: {problem}")
-            try:  # the job may have moved on to a newer world while the shards arrived
-                for shard in shards:
-                    self.fence(shard)
-            except ConflictError:
-                self.ledger.drop_receiving(entry)
-                raise
-            self._commit(entry, CheckpointInfo(entry.job, entry.step, entry.world, entry.rep_total,
-                                               entry.layout, time.time(), shards))
-            return True
+    @property
+    def fence(self) -> Callable[[ShardHeader], None]:
+        """Raises (ConflictError) for a shard its job no longer takes (:attr:`Receiver.fence`)."""
+        return self.receiver.fence
 
-    def _commit(self, entry: Entry, info: CheckpointInfo) -> None:
-        ledger = self.ledger
-        del ledger.receiving[(entry.job, entry.step)]
-        steps = ledger.committed.setdefault(entry.job, {})
-        previous = steps.get(entry.step)
-        if previous is not None:  # a later attempt at the same step wins
-            ledger.forget(previous)
-        entry.info = info
-        entry.tiers.add("ram")
-        self.ram.adopt(info, [entry.buffers[r] for r in range(entry.world)])
-        steps[entry.step] = entry
-        entry.advance(State.COMMITTED)
-        log.info("%s step %d: %s in RAM", entry.job, entry.step, format_size(info.nbytes))
-        for other in [e for (job, step), e in ledger.receiving.items() if job == entry.job and step < entry.step]:
-            ledger.drop_receiving(other)
-        self.disk_writer.submit(entry)
-        self.retention.trim_ram(entry.job)
-        self._cond.notify_all()
+    @fence.setter
+    def fence(self, check: Callable[[ShardHeader], None]) -> None:
+        self.receiver.fence = check
 
     # --- the disk writer and the uploader -----------------------------------------------
 
     def persist_next(self, timeout: float) -> bool:
         """Write the next committed checkpoint to disk. False if none arrived within ``timeout``."""
+        if self.downloads is not None:
+            with self._cond:  # between writes: the downloads from the bucket no read wants any more go
+                self.downloads.expire()
         return self.disk_writer.persist_next(timeout)
 
     def pending_disk_writes(self) -> int:
@@ -314,24 +160,8 @@ class Catalogue:
         return self.disk_writer.pending()
 
     def unwritten_report(self) -> list[str]:
-        """One line per job whose committed checkpoints are in RAM alone: the steps a stop now loses, and what
-        of the job is kept (on disk, in the bucket)."""
-        by_job: dict[str, list[int]] = {}
-        for entry in self.disk_writer.unwritten():
-            by_job.setdefault(entry.job, []).append(entry.step)
-        lines = []
-        with self._cond:
-            for job, steps in sorted(by_job.items()):
-                kept = self.ledger.committed.get(job, {})
-                on_disk = max((s for s, e in kept.items() if "disk" in e.tiers), default=None)
-                in_bucket = max((s for s, e in kept.items() if "object" in e.tiers), default=None)
-                where = f"the newest on disk is step {on_disk}" if on_disk is not None else "none is on disk"
-                if self.objects is not None:
-                    where += (f", the newest in the bucket step {in_bucket}" if in_bucket is not None
-                              else ", none is in the bucket")
-                lines.append(f"{job}: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
-                             f"{'are' if len(steps) > 1 else 'is'} in RAM only and lost with this stop; {where}")
-        return lines
+        """One line per job whose committed checkpoints are in RAM alone: the steps a stop now loses."""
+        return self.disk_writer.unwritten_report()
 
     def verify_next(self) -> bool:
         """Check the next shard file listed at start against its CRC-32C; False once all are checked."""
@@ -378,20 +208,26 @@ class Catalogue:
             self._notices[job] = {**notice.to_body(), "at": time.time()}
 
     def node_seen(self, job: str, node: str) -> None:
+        """``node`` sent a shard of ``job`` that was taken (the most recent nodes are kept: :mod:`.listing`)."""
         with self._cond:
-            self._nodes.setdefault(job, {})[node] = time.time()
+            listing.node_seen(self._nodes.setdefault(job, {}), node, time.time())
 
     def delete(self, job: str, keep: int = 0) -> list[int]:
         """Delete all committed checkpoints of a job but the newest ``keep``; with 0, its spec too. Returns the
         steps deleted.
 
-        Everything older than the oldest checkpoint kept goes from every tier, also copies the catalogue does
-        not list (an older attempt's, and the bucket's before its first listing). A checkpoint being written to
-        disk meanwhile never goes into place, one being uploaded is deleted once up, and what the bucket still
-        holds is covered by a tombstone kept on disk until it is purged (:mod:`.tombstones`): nothing deleted
-        comes back, at a restart either. A checkpoint being read goes once its readers are done.
+        The deletion is recorded first, durably, as a tombstone in the data dir (:mod:`.tombstones`): if that
+        fails (OSError), nothing is deleted and the caller is told. Once this returns, nothing deleted comes
+        back, at a restart either: a start removes again a step directory the tombstone covers (a removal a
+        crash undid, or one that failed here), and the bucket's listing adopts nothing it covers. Everything
+        older than the oldest checkpoint kept goes from every tier, also copies the catalogue does not list (an
+        older attempt's, and the bucket's before its first listing). A checkpoint being written to disk
+        meanwhile never goes into place, one being uploaded is deleted once up, and one committed while the
+        tombstone was written is newer than the deletion and stays. A checkpoint being read goes once its
+        readers are done.
         """
         ledger = self.ledger
+        tombstones = self.disk.tombstones
         with self.disk_writer.lock:  # no step directory goes into place meanwhile
             with self._cond:
                 steps = ledger.committed.get(job, {})
@@ -399,14 +235,25 @@ class Catalogue:
                 if keep and len(ordered) < keep:
                     return []
                 below = ordered[-keep] if keep else None  # the oldest checkpoint kept
-                doomed = [step for step in ordered if below is None or step < below]
-                entries = [steps.pop(step) for step in doomed]
+                doomed = {step: steps[step] for step in ordered if below is None or step < below}
+                # Not before a checkpoint it deletes, even should the clock have stepped back since one committed.
+                at = max([time.time(), *(entry.info.committed_at for entry in doomed.values())])
+            tombstone = Tombstone(job, below, at)
+            try:
+                tombstones.record(tombstone)
+            except OSError as e:
+                log.error("%s: nothing deleted: the deletion cannot be recorded in %s (%s)", job, tombstones.path,
+                          e.strerror or e)
+                raise
+            with self._cond:
+                steps = ledger.committed.get(job, {})
+                entries = [steps.pop(step) for step, entry in doomed.items() if steps.get(step) is entry]
                 for entry in entries:
                     entry.dropped = True
                     if "ram" in entry.tiers and entry.readers == 0:
                         ledger.release_ram(entry)
                 if self.uploader is not None:
-                    self.uploader.deleted(job, below)
+                    self.uploader.deleted(tombstone)
                 if keep == 0:
                     for entry in [e for (j, _), e in ledger.receiving.items() if j == job]:
                         ledger.drop_receiving(entry)
@@ -417,14 +264,19 @@ class Catalogue:
                     self.disk_writer.forget_job(job)
                 if not steps:
                     ledger.committed.pop(job, None)
-            if self.uploader is not None:
-                self.uploader.tombstones.save()
-            self.disk_writer.delete_steps(job, below)
-            if keep == 0:
-                self.disk.delete_spec(job)
-        if entries:
-            log.info("%s: deleted steps %s", job, ", ".join(map(str, doomed)))
-        return doomed
+            try:
+                self.disk_writer.delete_steps(job, below)
+                if keep == 0:
+                    self.disk.delete_spec(job)
+            except OSError as e:  # deleted all the same: the tombstone stays, and a start removes what is left
+                log.error("%s: not every deleted copy could be removed from disk (%s); it is removed at the next "
+                          "start", job, e.strerror or e)
+            else:
+                tombstones.purged(tombstone, "disk")
+        deleted = [entry.step for entry in entries]
+        if deleted:
+            log.info("%s: deleted steps %s", job, ", ".join(map(str, deleted)))
+        return deleted
 
     # --- reading -------------------------------------------------------------------------
 
@@ -475,12 +327,8 @@ class Catalogue:
                         return
             if "object" not in tiers:
                 raise NotFoundError(f"{job} step {step} is no longer held")
-            buffer = self.uploader.read_shard(entry, rank)
-            try:
-                with memoryview(buffer) as view:
-                    yield view[:header.nbytes], header.crc, None
-            finally:
-                self.ram.release(buffer)
+            with self.downloads.open(entry, rank) as view:  # one download, verified once, for every range
+                yield view, header.crc, None
         finally:
             with self._cond:
                 entry.readers -= 1
@@ -518,25 +366,35 @@ class Catalogue:
             out = [self._summary(job) for job in self.ledger.committed.keys() | self.ledger.specs.keys()]
         return sorted(out, key=lambda j: j["updated"], reverse=True)
 
+    def jobs_page(self, *, after: str | None = None, limit: int,
+                  job: str | None = None) -> tuple[list[dict], bool, int]:
+        """Summaries of at most ``limit`` jobs in job-id order from the first after ``after``, or of ``job`` alone
+        (a LIST page: :mod:`.listing`); whether more jobs follow them, and how many jobs there are in all."""
+        with self._cond:
+            names = sorted(self.ledger.committed.keys() | self.ledger.specs.keys())
+            total = len(names)
+            if job is not None:
+                names = [job] if job in self.ledger.committed or job in self.ledger.specs else []
+            chosen, more = listing.page(names, after, limit)
+            return [self._summary(name) for name in chosen], more, total
+
     def _summary(self, job: str) -> dict:
+        """What ``dashrun status`` and ``ls`` show of a job, bounded (:func:`.listing.summary`); with the
+        catalogue's lock held."""
         steps = self.ledger.committed.get(job, {})
         spec = self.ledger.specs.get(job)
         checkpoints = [{"step": e.step, "state": e.state.value, "tiers": sorted(e.tiers), "world": e.world,
                         "nbytes": e.info.nbytes, "committed_at": e.info.committed_at}
                        for _, e in sorted(steps.items())]
         newest = checkpoints[-1] if checkpoints else None
-        return {
-            "job": job,
-            "newest": newest,
-            "checkpoints": checkpoints,
-            "receiving": sorted(s for (j, s) in self.ledger.receiving if j == job),
-            "disk_error": self.disk_writer.failure(job),
-            "disk_failures": self.disk_writer.failure_count(job),
-            "object_error": self.uploader.failure(job) if self.uploader is not None else None,
-            "quarantined": self.disk.quarantined.get(job, 0),
-            "bad_ram": self.ledger.bad_ram.get(job, 0),
-            "nodes": self._nodes.get(job, {}),
-            "spec": spec.to_body() if spec else None,
-            "notice": self._notices.get(job),
-            "updated": max(newest["committed_at"] if newest else 0.0, spec.created if spec else 0.0),
-        }
+        return listing.summary(
+            job, checkpoints=checkpoints, receiving=sorted(s for (j, s) in self.ledger.receiving if j == job),
+            nodes=self._nodes.get(job, {}), spec=spec.to_body() if spec else None,
+            disk_error=self.disk_writer.failure(job),
+            disk_failures=self.disk_writer.failure_count(job),
+            object_error=self.uploader.failure(job) if self.uploader is not None else None,
+            quarantined=self.disk.quarantined.get(job, 0),
+            bad_ram=self.ledger.bad_ram.get(job, 0),
+            notice=self._notices.get(job),
+            updated=max(newest["committed_at"] if newest else 0.0, spec.created if spec else 0.0),
+        )

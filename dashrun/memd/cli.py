@@ -18,7 +18,7 @@ from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode, UsageError
 from dashrun.memd.config import MemdConfig, default_memory_limit
 from dashrun.util.console import run_click, setup_logging
-from dashrun.util.signals import block_stop_signals, next_stop_signal
+from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token, write_token
 from dashrun.util.units import format_size, parse_address, parse_size
 from dashrun.version import __version__
@@ -78,6 +78,9 @@ def cli() -> None:
               help="Serve this PEM certificate (chain, leaf first) instead of an ephemeral self-signed one.")
 @click.option("--tls-key", envvar=env.TLS_KEY.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
               help="The unencrypted PEM key of --tls-cert (default: in the --tls-cert file).")
+@click.option("--parent-pid", envvar=env.PARENT_PID.name, show_envvar=True, type=int, default=None,
+              help="Stop as on SIGTERM (disk writes finished first) when this process is gone: the launcher of a "
+                   "private dash-memd.")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def start(**options) -> None:
@@ -99,7 +102,8 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
                         keep_disk: int, s3: str | None, keep_object: int, upload_queue: int, max_connections: int,
                         auth_timeout: float, idle_timeout: float, shutdown_timeout: float,
                         ready_file: str | None, no_tls: bool = False, tls_cert: str | None = None,
-                        tls_key: str | None = None, max_unauthenticated: int = 32) -> MemdConfig:
+                        tls_key: str | None = None, max_unauthenticated: int = 32,
+                        parent_pid: int | None = None) -> MemdConfig:
     """The options of ``dash-memd start`` as a config; raises UsageError."""
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
     return MemdConfig(
@@ -111,11 +115,13 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
         idle_timeout=idle_timeout,
         shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
         no_tls=no_tls, tls_cert=Path(tls_cert) if tls_cert else None, tls_key=Path(tls_key) if tls_key else None,
+        parent_pid=parent_pid,
     )
 
 
 def run(config: MemdConfig) -> int:
-    """Serve until SIGTERM or SIGINT, finish pending disk writes, and return the exit code."""
+    """Serve until SIGTERM or SIGINT (or until ``config.parent_pid`` is gone), finish pending disk writes, and
+    return the exit code."""
     from dashrun.memd.server import MemdServer
 
     try:
@@ -129,8 +135,11 @@ def run(config: MemdConfig) -> int:
         "data dir %s, memory limit %s, keep %d in RAM / %d on disk%s per job, max %d connections",
         config.data_dir, format_size(config.memory_limit), config.keep_ram, config.keep_disk,
         f" / {config.keep_object} in {config.s3}" if config.s3 else "", config.max_connections)
-    signum = next_stop_signal()
-    log.info("%s: shutting down", signal.Signals(signum).name)
+    signum = wait_for_stop(config.parent_pid)
+    if signum == PARENT_GONE:
+        log.warning("the process that started dash-memd (pid %d) is gone: shutting down", config.parent_pid)
+    else:
+        log.info("%s: shutting down", signal.Signals(signum).name)
     server.stop()
     return int(ExitCode.OK)
 

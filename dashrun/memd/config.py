@@ -57,6 +57,9 @@ class MemdConfig:
     #: the operator's certificate (chain, leaf first) and key; None: an ephemeral self-signed one per start
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: the process that started this one (dashrun's private dash-memd: the launcher); once it is gone, dash-memd
+    #: stops as on SIGTERM, its disk writes finished first (None: it runs until told to stop)
+    parent_pid: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

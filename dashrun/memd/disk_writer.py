@@ -84,6 +84,26 @@ class DiskWriter:
                            if e.state == State.COMMITTED and not e.dropped and "ram" in e.tiers
                            and not self.retention.safe_without_ram(e)), key=lambda e: (e.job, e.step))
 
+    def unwritten_report(self) -> list[str]:
+        """One line per job whose committed checkpoints are in RAM alone: the steps a stop now loses, and what
+        of the job is kept (on disk, in the bucket)."""
+        by_job: dict[str, list[int]] = {}
+        for entry in self.unwritten():
+            by_job.setdefault(entry.job, []).append(entry.step)
+        lines = []
+        with self.ledger.cond:
+            for job, steps in sorted(by_job.items()):
+                kept = self.ledger.committed.get(job, {})
+                on_disk = max((s for s, e in kept.items() if "disk" in e.tiers), default=None)
+                in_bucket = max((s for s, e in kept.items() if "object" in e.tiers), default=None)
+                where = f"the newest on disk is step {on_disk}" if on_disk is not None else "none is on disk"
+                if self.uploader is not None:
+                    where += (f", the newest in the bucket step {in_bucket}" if in_bucket is not None
+                              else ", none is in the bucket")
+                lines.append(f"{job}: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
+                             f"{'are' if len(steps) > 1 else 'is'} in RAM only and lost with this stop; {where}")
+        return lines
+
     def pending(self) -> int:
         return len(self.unwritten())
 

@@ -7,7 +7,10 @@ as to its own. Rendezvous states are sent as base64 in the request's body and
 come back as the reply's data; so do store values. ``dashrun rm`` of a job
 (DELETE of all its checkpoints) removes its records here too
 (:meth:`FleetRequests.delete_job`), as it removes the job's launch spec and
-notices.
+notices; it is refused while nodes of the job are alive, by the heartbeats in
+its rendezvous states and the job's own heartbeat settings, unless forced
+(:meth:`FleetRequests.refuse_if_live`): a node launched with ``--fresh``
+while the job runs elsewhere must not wipe the running job.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from dashrun.errors import ProtocolError
+from dashrun.errors import ConflictError, ProtocolError
 from dashrun.memd.kvstore import KeyValueStore
 from dashrun.memd.membership import MEMBERSHIP, Membership
 from dashrun.memd.rendezvous import RENDEZVOUS, RendezvousStates
@@ -58,6 +61,17 @@ class FleetRequests:
         failing disk kept behind RAM get a last try (the failure is logged if it persists)."""
         self.store.close()
         self.rendezvous.flush()
+
+    def refuse_if_live(self, job: str) -> None:
+        """ConflictError if a member of one of ``job``'s rendezvous heartbeats within the lapse its own settings
+        allow (the job's nodes are running it). The advice is in the message: a hint does not cross the wire."""
+        live = [found for found in self.rendezvous.liveness(job) if found.live]
+        if not live:
+            return
+        count = sum(found.live for found in live)
+        newest = min(found.newest_age for found in live)
+        raise ConflictError(f"{job} has {count} live node{'' if count == 1 else 's'} (last heartbeat {newest:.0f}s "
+                            "ago): stop them first, or pass --force-live to delete it anyway")
 
     def delete_job(self, job: str) -> None:
         self.rendezvous.delete_job(job)

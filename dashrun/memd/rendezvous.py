@@ -3,7 +3,10 @@
 torch's ``DynamicRendezvousHandler`` keeps its whole state in a backend that
 offers two calls, ``get_state`` and a conditional ``set_state``; dashrun's
 backend (:mod:`dashrun.launch.rendezvous`) makes them requests to dash-memd, which
-never parses the state. :meth:`RendezvousStates.set` has exactly the contract
+does not parse the state to serve it: only a whole-job deletion reads its
+heartbeats, and the job's heartbeat settings the nodes send with it, to refuse
+to delete a job whose nodes are alive (:meth:`RendezvousStates.liveness`,
+:mod:`dashrun.wire.heartbeats`). :meth:`RendezvousStates.set` has exactly the contract
 of torch's ``RendezvousBackend.set_state``: it stores the state iff the
 caller's token is the current one (None: iff there is no state yet), and
 answers the state and token now held and whether this call set them.
@@ -50,12 +53,14 @@ import json
 import logging
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from dashrun.errors import NoSpaceError, ProtocolError, UsageError
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.files import discard_tree, write_atomic
 from dashrun.util.problems import ProblemLog
+from dashrun.wire.heartbeats import Liveness, liveness
 from dashrun.wire.messages import MAX_RDZV_STATE
 from dashrun.wire.protocol import MAX_STEP, field_b64, field_int, field_run_id, valid_job_id
 
@@ -206,6 +211,20 @@ class RendezvousStates:
             if wait > 0:
                 self._changed.wait_for(lambda: (held() or (None, None))[1] != unlike, timeout=wait)
             return held()
+
+    def liveness(self, job: str) -> list[Liveness]:
+        """What each of ``job``'s rendezvous states says of its members now, by the heartbeat settings its nodes
+        sent with it; a state that is not dashrun's is left out (nobody can rendezvous on it)."""
+        with self._lock:
+            states = [state for state, _ in self._states.get(job, {}).values()]
+        now = time.time()  # the nodes stamp their heartbeats with their clocks, as torch compares them: see there
+        found = []
+        for state in states:
+            try:
+                found.append(liveness(state, now))
+            except ValueError as e:
+                log.debug("rendezvous: a state of %s is not dashrun's: %s", job, e)
+        return found
 
     def set(self, job: str, run_id: str, state: bytes, token: int | None) -> tuple[bytes, int, bool] | None:
         """Store ``state`` iff ``token`` is the current token (None: iff there is none yet); returns the state

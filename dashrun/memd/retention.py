@@ -4,7 +4,8 @@ Each tier keeps the newest ``keep_*`` committed checkpoints of a job. A RAM
 copy goes only once nothing is lost with it: the checkpoint is on disk, or a
 newer checkpoint of its job is. A checkpoint no tier holds any more leaves the
 catalogue. When a receive needs room, the oldest RAM copy that may go is
-evicted, after any checkpoint whose receive was abandoned. When none may go
+evicted, after any checkpoint whose receive was abandoned and any idle
+download from the bucket (:mod:`.downloads`). When none may go
 yet (the RAM holds checkpoints the disk has not caught up with), the receive
 waits for room, up to :data:`ROOM_WAIT`, behind the receives that waited
 before it: ingest slows to the disk's pace instead of refusing shards, which
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
+from typing import Callable
 
 from dashrun.errors import NoSpaceError
 from dashrun.memd.entry import Entry
@@ -51,6 +53,8 @@ class Retention:
         self.keep_object = keep_object
         #: seconds a receive may wait for RAM to come free (:meth:`reserve`)
         self.room_wait = ROOM_WAIT
+        #: Frees one buffer held only to serve reads again (a download from the bucket); False if none is idle.
+        self.spare: Callable[[], bool] = lambda: False
 
     def newest_safe_step(self, job: str) -> int | None:
         safe = [s for s, e in self.ledger.committed.get(job, {}).items() if "disk" in e.tiers]
@@ -84,6 +88,8 @@ class Retention:
                  if e is not spare and not e.arriving and now - e.touched > RECEIVING_TIMEOUT]
         if stale:
             self.ledger.drop_receiving(stale[0])
+            return True
+        if self.spare():
             return True
         candidates = [e for steps in self.ledger.committed.values() for e in steps.values()
                       if "ram" in e.tiers and e.readers == 0 and self.safe_without_ram(e)]

@@ -34,10 +34,21 @@ from dashrun.wire.auth import server_handshake
 from dashrun.wire.blocks import Marks
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
-from dashrun.wire.protocol import Kind, crc32c, field_bool, field_float, field_int, field_job, field_step, field_str
+from dashrun.wire.protocol import (
+    MAX_BODY,
+    Kind,
+    crc32c,
+    encode_body,
+    field_bool,
+    field_float,
+    field_int,
+    field_job,
+    field_step,
+    field_str,
+)
 from dashrun.wire.tls import ServerTls, accept
 
-__all__ = ["LOCK_FILE", "MAX_WAIT", "MemdServer"]
+__all__ = ["LIST_PAGE_BYTES", "LIST_PAGE_JOBS", "LOCK_FILE", "MAX_WAIT", "MemdServer"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +60,10 @@ DISK_LOOP_PAUSE = 0.5
 MAX_WAIT = 3600.0
 #: File in the data dir that a running dash-memd holds locked (and writes its pid to).
 LOCK_FILE = "LOCK"
+#: Most jobs one LIST reply summarises, and most bytes of summaries it carries (a quarter of MAX_BODY: the
+#: rest of the reply is a few fields, and one summary alone is far smaller).
+LIST_PAGE_JOBS = 1000
+LIST_PAGE_BYTES = MAX_BODY // 4
 
 
 class MemdServer:
@@ -301,8 +316,7 @@ class MemdServer:
 
     def _put_shard(self, ch: Channel, frame: Frame) -> None:
         header = ShardHeader.from_body(frame.body)
-        if frame.body.get("node") is not None:
-            self.catalogue.node_seen(header.job, field_str(frame.body, "node", 255))
+        node = field_str(frame.body, "node", 255) if frame.body.get("node") is not None else None
         ticket = self.catalogue.begin_shard(header, cancel=lambda: _hang_up(ch))
         try:
             ch.send(Kind.OK, {"accept": True})
@@ -316,6 +330,8 @@ class MemdServer:
             self.catalogue.abort_shard(ticket)
             raise
         committed = self.catalogue.finish_shard(ticket, crc, marks)
+        if node is not None:  # a node is listed once a shard of it was taken, not for announcing one
+            self.catalogue.node_seen(header.job, node)
         ch.send(Kind.OK, {"committed": committed, "crc": crc})
 
     def _latest(self, ch: Channel, frame: Frame) -> None:
@@ -363,8 +379,24 @@ class MemdServer:
         ch.send(Kind.OK, {"committed": committed})
 
     def _list(self, ch: Channel, frame: Frame) -> None:
+        """One page of the jobs' summaries, in job-id order: those after ``after`` (or ``job`` alone), as many as
+        ``limit`` and LIST_PAGE_BYTES allow; ``next`` is the ``after`` of the next page (None after the last),
+        ``total`` the number of jobs. A summary is bounded (:mod:`dashrun.memd.listing`), so a page, however
+        many jobs there are, stays well inside MAX_BODY."""
+        body = frame.body
+        after = field_job(body, "after") if body.get("after") is not None else None
+        only = field_job(body, "job") if body.get("job") is not None else None
+        limit = field_int(body, "limit", 1, LIST_PAGE_JOBS, default=LIST_PAGE_JOBS)
+        summaries, more, total = self.catalogue.jobs_page(after=after, limit=limit, job=only)
+        page, size = [], 0
+        for summary in summaries:  # the byte budget, outside the catalogue's lock
+            size += len(encode_body(summary)) + 1
+            if page and size > LIST_PAGE_BYTES:
+                more = True
+                break
+            page.append(summary)
         ram = self.catalogue.ram
-        ch.send(Kind.OK, {"jobs": self.catalogue.jobs(),
+        ch.send(Kind.OK, {"jobs": page, "next": page[-1]["job"] if more and page else None, "total": total,
                           "memory": {"used": ram.used, "limit": ram.limit},
                           "pending_disk_writes": self.catalogue.pending_disk_writes(),
                           **self.catalogue.object_status()})
@@ -382,6 +414,8 @@ class MemdServer:
 
     def _delete(self, ch: Channel, frame: Frame) -> None:
         job, keep = field_job(frame.body), field_int(frame.body, "keep", 0, 1 << 20)
+        if keep == 0 and not field_bool(frame.body, "force_live", default=False):
+            self.fleet.refuse_if_live(job)  # its running nodes would lose every checkpoint and their rendezvous
         deleted = self.catalogue.delete(job, keep)
         if keep == 0:  # the whole job: its fleet records go with its launch spec and notices
             self.fleet.delete_job(job)

@@ -11,11 +11,12 @@ checkpoint keeps its RAM copy, or leaves the catalogue). Before any task, the bu
 (:meth:`Uploader.load_objects`): until then, a job unknown here may be held
 there.
 
-``dashrun rm`` and ``gc`` leave a tombstone (:mod:`.tombstones`, kept on disk)
-and queue a purge: the bucket's listing adopts nothing a tombstone covers,
-and the purge lists the job in the bucket and deletes every copy it covers —
-also copies the catalogue never knew (before the first listing, or an older
-attempt's) — then drops the tombstone.
+``dashrun rm`` and ``gc`` leave a tombstone (:mod:`.tombstones`, kept on disk
+by the disk tier) and queue a purge: the bucket's listing adopts nothing a
+tombstone covers, and the purge lists the job in the bucket and deletes every
+copy it covers — also copies the catalogue never knew (before the first
+listing, or an older attempt's) — then says the bucket has caught up (the
+tombstone goes once the disk has too).
 
 Reads fall through to the bucket when neither RAM nor disk holds a
 checkpoint: :meth:`Uploader.read_shard` downloads a shard into a RAM buffer.
@@ -40,7 +41,7 @@ from dashrun.memd.ledger import Ledger
 from dashrun.memd.retention import Retention
 from dashrun.memd.tiers import DiskTier
 from dashrun.memd.tiers.base import SourceChanged
-from dashrun.memd.tombstones import TOMBSTONES, Tombstone, Tombstones
+from dashrun.memd.tombstones import Tombstone
 from dashrun.util.problems import ProblemLog
 from dashrun.util.retry import Backoff
 from dashrun.util.units import format_size
@@ -87,8 +88,9 @@ class Uploader:
         self.backoff = Backoff(1.0, 60.0)    # pauses after a failed task, whichever it was
         self.retry_at = 0.0                  # monotonic time before which nothing is tried again
         self.closing = threading.Event()
-        #: Deletions the bucket has not caught up with; those left by the last run are purged again.
-        self.tombstones = Tombstones(disk.root / TOMBSTONES)
+        #: Deletions not every tier has caught up with (the data dir's); those left by the last run are purged again.
+        self.tombstones = disk.tombstones
+        self.tombstones.purged_by("object")
         #: What to do with a disk copy found bad as it went up: the catalogue's verifier quarantines it (unset,
         #: the upload fails and is retried, as any other failure).
         self.disk_copy_failed: Callable[[Entry, DashError], None] | None = None
@@ -184,13 +186,11 @@ class Uploader:
         self.queue(ObjectTask("delete", job, step))
         self.tasks.extend(later)
 
-    def deleted(self, job: str, below: int | None) -> None:
-        """``job``'s checkpoints below step ``below`` (all, and its spec, with None) are deleted: leave a
-        tombstone and queue the bucket's purge. The caller makes the tombstone last (``tombstones.save()``)
-        before it answers."""
-        tombstone = Tombstone(job, below, time.time())
-        self.tombstones.add(tombstone)
-        if below is None:
+    def deleted(self, tombstone: Tombstone) -> None:
+        """What ``tombstone`` covers is deleted (recorded in :attr:`tombstones` already): queue the bucket's purge,
+        and with a whole job (``below`` None) drop its uploads queued."""
+        job = tombstone.job
+        if tombstone.below is None:
             for task in [t for t in self.tasks if t.job == job and t.kind in ("upload", "spec")]:
                 self.tasks.remove(task)
             self.failures.pop(job, None)
@@ -320,7 +320,7 @@ class Uploader:
                 respecified = job in self.ledger.specs  # its upload is queued and replaces the old one
             if not respecified:
                 self.objects.delete_spec(job)
-        self.tombstones.remove(tombstone)
+        self.tombstones.purged(tombstone, "object")
 
     def _upload(self, entry: Entry) -> None:
         cond = self.ledger.cond

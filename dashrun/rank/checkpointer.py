@@ -47,7 +47,9 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterable, NoReturn
 
@@ -56,7 +58,7 @@ import torch
 from dashrun import env
 from dashrun.errors import DashError, ExitCode, RestoreMismatchError, UsageError
 from dashrun.rank import sharded
-from dashrun.rank.notices import Agreement, NoticeBoard, in_process_group
+from dashrun.rank.notices import TERM_GRACE, Agreement, NoticeBoard, in_process_group
 from dashrun.rank.restore import restore_state
 from dashrun.rank.snapshot import SaveStats, Snapshot, capture
 from dashrun.rank.stager import SAVE, Stager
@@ -80,6 +82,14 @@ def _job_wide(obj: Any) -> bool:
 def _int_env(var: env.Var) -> int:
     value = env.get(var, "0")
     return int(value) if value.isdigit() else 0
+
+
+def _float_env(var: env.Var, default: float) -> float:
+    try:
+        value = float(env.get(var, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def _membership_from_env() -> dict[str, Any] | None:
@@ -185,7 +195,9 @@ class Checkpointer:
         # Each kind of trouble is reported once; a stored shard clears them (see dashrun.rank.stager).
         self._problems = ProblemLog(log)
         # Set before the link exists: its reader thread may deliver a notice the moment it connects.
-        self._notices = NoticeBoard(self.world, self.early_interval, self.generation)
+        self._notices = NoticeBoard(self.world, self.early_interval, self.generation,
+                                    term_grace=_float_env(env.TERM_GRACE, TERM_GRACE))
+        self._sigterm = self._take_sigterm() if self.enabled else None
         atexit.register(self._notices.close_at_exit)  # for a script that never calls close(): see NoticeBoard.close
         self._link = (AgentLink(self._socket, on_notice=self._notices.on_notice, on_reshape=self._notices.on_reshape)
                       if self.enabled else None)
@@ -206,6 +218,26 @@ class Checkpointer:
         self._hooks = [obj.register_step_pre_hook(self._before_optimizer_step)
                        for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
 
+    def _take_sigterm(self) -> tuple[Callable, Any] | None:
+        """SIGTERM is a preemption notice — a scheduler's (Kubernetes, Slurm, SkyPilot), or the launcher passing
+        its own on — not the end of the rank: the handler records it, and the next save() takes the emergency
+        checkpoint on every rank of the job, as after a cloud's notice. A handler the script installed before
+        still runs after it. Only the main thread may install one; the handler and the one it replaced, so that
+        close() can put that back."""
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("dashrun: Checkpointer made outside the main thread: SIGTERM ends the rank without an "
+                        "emergency checkpoint")
+            return None
+        notices, before = self._notices, signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame) -> None:
+            notices.on_signal()
+            if callable(before):
+                before(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        return on_sigterm, before
+
     # --- saving ----------------------------------------------------------------------
 
     def save(self, step: int, force: bool = False) -> bool:
@@ -222,6 +254,9 @@ class Checkpointer:
             return False
         self._saved_since_restore = True
         started = time.perf_counter()
+        if self._notices.signal_unsaid():
+            log.warning("dashrun: rank %d: SIGTERM: checkpointing at the next step, then stopping (within %.0fs)",
+                        self.rank, self._notices.term_grace)
         agreed = self._notices.agree()
         if (agreed.emergency or agreed.reshape) and self.elastic and not self._notices.noticed_here:
             self._world_change(step, agreed)
@@ -398,6 +433,9 @@ class Checkpointer:
         self._closed = True
         for hook in self._hooks:
             hook.remove()
+        if (self._sigterm is not None and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is self._sigterm[0]):  # not replaced since: put back
+            signal.signal(signal.SIGTERM, self._sigterm[1] if self._sigterm[1] is not None else signal.SIG_DFL)
         self._notices.close()  # every rank started the last all-reduce: it is settled, then let go
         atexit.unregister(self._notices.close_at_exit)
         self._stager.stop()

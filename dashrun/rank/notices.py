@@ -1,8 +1,10 @@
 """Interruption notices on the rank side: recorded as the agent pushes them, agreed on by every rank each step.
 
 The node's dash-agent pushes a :class:`~dashrun.wire.messages.Notice` to its
-ranks when the cloud announces that the VM goes away (or warns early). Only
-the ranks of that node hear it, yet every rank of the job must take the
+ranks when the cloud announces that the VM goes away (or warns early); a
+SIGTERM to a rank (a scheduler's, or its launcher passing one on) is a notice
+of its own, with the launcher's grace as its deadline. Only the ranks of that
+node hear it, yet every rank of the job must take the
 emergency checkpoint of the same step: :meth:`NoticeBoard.agree`, called by
 each ``save()``, all-reduces every rank's notice asynchronously and reads the
 result of the previous step's all-reduce, so the ranks agree one step late
@@ -37,6 +39,9 @@ _NO_DEADLINE = 1e18
 _FLAG = struct.Struct("=4d")
 #: How long close() waits for gloo's worker thread to let go of the last all-reduce's tensor.
 RELEASE_TIMEOUT = 5.0
+#: Seconds from SIGTERM until the launcher kills a rank, unless it says otherwise (``DASH_TERM_GRACE``): torchrun's
+#: default ``--shutdown-timeout``.
+TERM_GRACE = 30.0
 
 
 def in_process_group() -> bool:
@@ -75,12 +80,15 @@ class Agreement:
 class NoticeBoard:
     """The most serious notice this node's agent pushed, and the per-step agreement on it across ranks."""
 
-    def __init__(self, world: int, early_interval: int, generation: int = 0):
+    def __init__(self, world: int, early_interval: int, generation: int = 0, term_grace: float = TERM_GRACE):
         self.world = world
         self.early_interval = early_interval  # for the message: how often an early warning makes a rank save
         self.generation = generation          # this world's (DASH_GENERATION): a RESHAPE for an older one is stale
+        self.term_grace = term_grace          # seconds from SIGTERM until this rank is killed (DASH_TERM_GRACE)
         self.notice: Notice | None = None     # the most serious notice this node's agent pushed
         self.reshape = False                  # the agent said this world ends at its next checkpoint
+        self.signalled_at: float | None = None  # when SIGTERM reached this rank (epoch seconds)
+        self._said_signal = False
         # What publish() all-reduces: one tensor over bytes it packs into (no numpy, which torch does not need).
         self._flag_bytes = bytearray(_FLAG.size)
         self._flag: torch.Tensor | None = torch.frombuffer(self._flag_bytes, dtype=torch.float64)
@@ -105,6 +113,19 @@ class NoticeBoard:
             log.warning("dashrun: %s %s notice: this node goes away in %s; checkpointing at the next step",
                         notice.cloud, notice.kind.value, left)
 
+    def on_signal(self) -> None:
+        """From the rank's SIGTERM handler, which may run between any two bytecodes of the training loop: only
+        records (no lock, no logging); save() acts on it, on every rank at once. A second SIGTERM changes nothing."""
+        if self.signalled_at is None:
+            self.signalled_at = time.time()
+
+    def signal_unsaid(self) -> bool:
+        """Whether a SIGTERM was recorded and not yet said (once, by save(), outside the handler)."""
+        if self.signalled_at is None or self._said_signal:
+            return False
+        self._said_signal = True
+        return True
+
     def on_reshape(self, body: dict[str, Any]) -> None:
         """From the agent's reader thread: the world of a generation ends at the next checkpoint (a node joins)."""
         generation = body.get("generation")
@@ -115,8 +136,9 @@ class NoticeBoard:
 
     @property
     def noticed_here(self) -> bool:
-        """Whether this node itself goes away (its own interruption notice), not only another node of the job."""
-        return self.notice is not None and not self.notice.early_warning
+        """Whether this node itself goes away (its own interruption notice or SIGTERM), not only another node of
+        the job."""
+        return self.signalled_at is not None or (self.notice is not None and not self.notice.early_warning)
 
     def agree(self) -> Agreement:
         """What every rank published at its previous ``save()`` (:meth:`publish`) — the same on every rank.
@@ -157,10 +179,14 @@ class NoticeBoard:
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 
     def _local(self) -> Agreement:
-        """This rank's own notice."""
+        """This rank's own notice: the agent's, or SIGTERM's, whose deadline is the launcher's grace."""
         notice = self.notice
         level = 0 if notice is None else notice.severity
         deadline = notice.deadline if notice is not None and not notice.early_warning and notice.deadline else None
+        if self.signalled_at is not None:
+            level = Notice.PREEMPT
+            killed_at = self.signalled_at + self.term_grace
+            deadline = killed_at if deadline is None else min(deadline, killed_at)
         return Agreement(level, deadline, reshape=self.reshape)
 
     def settle(self) -> None:

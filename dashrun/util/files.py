@@ -124,13 +124,18 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600, 
 
 
 def discard_tree(path: str | os.PathLike) -> bool:
-    """Remove the directory ``path`` so that it is gone whole at once: renamed to a ``.trash-`` sibling (which
-    a start-up sweep may remove if this is interrupted), then deleted. False if it did not exist."""
+    """Remove the directory ``path`` so that it is gone whole at once, and durably: renamed to a ``.trash-``
+    sibling (which a start-up sweep may remove if this is interrupted), the rename fsynced, then deleted. False
+    if it did not exist. OSError if the rename or its fsync fails: then ``path`` may come back after a crash of
+    the machine, and the caller must not report it gone."""
     path = Path(path)
     trash = path.with_name(f".trash-{uuid.uuid4().hex[:8]}")
     try:
         os.rename(path, trash)
     except FileNotFoundError:
         return False
-    shutil.rmtree(trash, ignore_errors=True)
+    try:
+        fsync_dir(path.parent)  # until then a crash can undo the rename, with the tree whole or half deleted
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
     return True

@@ -1,25 +1,68 @@
-"""The cluster's shared token: read from a file only its owner may open, or created as such a file."""
+"""The cluster's shared token: read from a file only its owner may open, or created as such a file.
+
+A token shorter than :data:`MIN_TOKEN_LEN` is refused. One that is merely weak
+(:func:`token_weakness`: fewer than :data:`STRONG_BITS` bits at best for its
+length and alphabet, or few distinct characters, or a block repeated) is
+taken, with a warning logged once per process: every key of a link
+(:mod:`dashrun.wire.auth`, :mod:`dashrun.wire.sealed`) is only as strong as it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import math
 import os
 import secrets
 import stat
+import string
+import threading
 from pathlib import Path
 
 from dashrun.errors import UsageError
 
-__all__ = ["MIN_TOKEN_LEN", "read_token", "write_token"]
+__all__ = ["MIN_TOKEN_LEN", "STRONG_BITS", "read_token", "token_weakness", "write_token"]
+
+log = logging.getLogger(__name__)
 
 MIN_TOKEN_LEN = 16
+#: Bits of entropy a token should have at least: what ``dash-memd token`` writes (64 hex digits).
+STRONG_BITS = 256
+#: Fewer distinct characters than this in a token is a pattern, not chance: 64 random hex digits show all 16
+#: but for a few, and a random token of any usual alphabet shows more.
+_FEW_DISTINCT = 8
+#: Alphabets a token is made of, smallest first, each with the bits a random character of it carries.
+_ALPHABETS = [(set(a), math.log2(len(set(a)))) for a in (
+    string.digits, string.digits + "abcdef", string.hexdigits, string.ascii_lowercase,
+    string.ascii_lowercase + string.digits, string.ascii_letters + string.digits,
+    string.ascii_letters + string.digits + "+/=-_", string.printable.strip())]
+_warned: set[bytes] = set()  # digests of the tokens warned about in this process
+_warned_lock = threading.Lock()
 
 
-def read_token(path: str | os.PathLike) -> bytes:
+def token_weakness(token: bytes) -> str | None:
+    """Why ``token`` is weaker than :data:`STRONG_BITS` bits, at best, as far as it shows; None if it is not."""
+    chars = set(token.decode("latin-1"))
+    if len(chars) < _FEW_DISTINCT:
+        return f"it uses only {len(chars)} distinct characters"
+    for period in range(1, len(token) // 2 + 1):
+        if len(token) % period == 0 and token == token[:period] * (len(token) // period):
+            return f"it repeats a block of {period} characters"
+    per_char = next((bits for alphabet, bits in _ALPHABETS if chars <= alphabet), 8.0)
+    if len(token) * per_char < STRONG_BITS:
+        return (f"{len(token)} characters of its alphabet hold {len(token) * per_char:.0f} bits at best, fewer than "
+                f"{STRONG_BITS}")
+    return None
+
+
+def read_token(path: str | os.PathLike, *, warn: bool = True) -> bytes:
     """The cluster's shared token from a file (surrounding whitespace ignored).
 
     Refused when group or others may read or write the file, as ssh refuses a
     private key they could read: anyone who can read the token can log in to
     dash-memd, and anyone who can write it can make a node trust another one.
+    A weak token (:func:`token_weakness`) is logged as a WARNING, once per process, unless ``warn`` is false
+    (a rank: its launcher warned).
     """
     path = Path(path)
     try:
@@ -41,7 +84,23 @@ def read_token(path: str | os.PathLike) -> bytes:
     if len(token) < MIN_TOKEN_LEN:
         raise UsageError(f"token in {path} is shorter than {MIN_TOKEN_LEN} characters",
                          hint="create a strong one with: dash-memd token --out FILE")
+    if warn:
+        _warn_if_weak(token, path)
     return token
+
+
+def _warn_if_weak(token: bytes, path: Path) -> None:
+    """Log a weak token once per process, however often it is read (each command and link reads it)."""
+    weakness = token_weakness(token)
+    if weakness is None:
+        return
+    digest = hashlib.sha256(token).digest()
+    with _warned_lock:
+        if digest in _warned:
+            return
+        _warned.add(digest)
+    log.warning("the token in %s is weak: %s; anyone who guesses it can log in to dash-memd and forge what its "
+                "links carry (create a strong one with: dash-memd token --out FILE)", path, weakness)
 
 
 def write_token(path: str | os.PathLike) -> bytes:

@@ -15,15 +15,16 @@ too, and a relay that terminates TLS on both sides makes the two sides sign
 different certificates, so it cannot log in. Until the login is done a peer
 may send at most ``MAX_BODY_PREAUTH`` bytes of body.
 
-Over TLS, both ends then close TLS and go on in records sealed with keys
-derived from the token and the two nonces (:mod:`dashrun.wire.sealed`).
+Both ends then go on in records keyed from the token and the two nonces
+(:mod:`dashrun.wire.sealed`): over TLS they close TLS and seal each record;
+with ``--no-tls`` each record is signed, so that what follows the login cannot
+be altered or injected on the path either.
 """
 
 from __future__ import annotations
 
 import hmac
 import secrets
-import ssl
 from typing import Any, Callable
 
 from dashrun import errors
@@ -100,9 +101,8 @@ def client_handshake(ch: Channel, token: bytes, address: str | None = None) -> d
 
 
 def _seal(ch: Channel, token: bytes, binding: bytes, client_nonce: str, server_nonce: str, *, client: bool) -> None:
-    """A login over TLS goes on in sealed records (:mod:`dashrun.wire.sealed`); a plaintext one as it is."""
-    if isinstance(ch.sock, ssl.SSLSocket):
-        ch.seal(after_login(ch.sock, token, binding, client_nonce, server_nonce, client=client))
+    """A login goes on in records keyed from it (:mod:`dashrun.wire.sealed`): sealed over TLS, signed without."""
+    ch.seal(after_login(ch.sock, token, binding, client_nonce, server_nonce, client=client))
 
 
 def _peer(ch: Channel) -> str:

@@ -34,12 +34,15 @@ from dashrun.wire.messages import (
     Notice,
     ShardHeader,
 )
-from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind
+from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind, valid_job_id
 from dashrun.wire.tls import TlsSettings, connect
 
-__all__ = ["MemdClient", "StoreTimeoutError", "memd_from_env"]
+__all__ = ["LIST_MOST", "MemdClient", "StoreTimeoutError", "memd_from_env"]
 
 log = logging.getLogger(__name__)
+
+#: Most jobs :meth:`MemdClient.list` fetches summaries of (page after page) unless told otherwise.
+LIST_MOST = 10_000
 
 
 class StoreTimeoutError(NotFoundError):
@@ -197,8 +200,34 @@ class MemdClient:
                 ch.settimeout(self.timeout)
         return self._request(run)
 
-    def list(self) -> dict[str, Any]:
-        return self._request(lambda ch: ch.call(Kind.LIST).body)
+    def list(self, job: str | None = None, *, most: int = LIST_MOST) -> dict[str, Any]:
+        """dash-memd's state and its jobs' summaries, newest first: of every job (at most ``most``), or of ``job``
+        alone. dash-memd answers a page at a time (in job-id order, each within its reply's bound); this
+        fetches page after page. Where jobs are left out beyond ``most``, ``jobs_left`` counts them."""
+        jobs: list[dict[str, Any]] = []
+        after, left = None, 0
+        while True:
+            request = {"job": job} if job is not None else {"after": after}
+            listing = self._request(lambda ch: ch.call(Kind.LIST, request).body)
+            page, following = listing.pop("jobs", None), listing.pop("next", None)
+            if not isinstance(page, list) or not all(isinstance(j, dict) and valid_job_id(j.get("job")) for j in page):
+                raise ProtocolError("malformed LIST reply")
+            jobs.extend(page)
+            if job is not None or following is None:
+                break
+            # Each page must move on, so that a confused (or hostile) dash-memd cannot keep this fetching forever.
+            if not page or not valid_job_id(following) or (after is not None and following <= after):
+                raise ProtocolError("malformed LIST reply: its next page does not follow this one")
+            if len(jobs) >= most:
+                total = listing.get("total")
+                left = max(total - most, 1) if type(total) is int else 1
+                break
+            after = following
+        left = max(left, len(jobs) - most)
+        if left:
+            listing["jobs_left"] = left
+        listing["jobs"] = sorted(jobs[:most], key=_updated, reverse=True)
+        return listing
 
     def put_spec(self, job: str, spec: JobSpec) -> None:
         self._request(lambda ch: ch.call(Kind.PUT_SPEC, {"job": job, "spec": spec.to_body()}))
@@ -209,9 +238,11 @@ class MemdClient:
             raise ProtocolError("malformed GET_SPEC reply")
         return JobSpec.from_body(raw) if raw is not None else None
 
-    def delete(self, job: str, keep: int = 0) -> list[int]:
-        """Delete a job's checkpoints but the newest ``keep`` (0: everything, launch spec included)."""
-        return self._request(lambda ch: ch.call(Kind.DELETE, {"job": job, "keep": keep}).body.get("deleted", []))
+    def delete(self, job: str, keep: int = 0, *, force_live: bool = False) -> list[int]:
+        """Delete a job's checkpoints but the newest ``keep`` (0: everything, launch spec included). The whole job
+        is refused (ConflictError) while nodes of it are alive, unless ``force_live``."""
+        body = {"job": job, "keep": keep, **({"force_live": True} if force_live else {})}
+        return self._request(lambda ch: ch.call(Kind.DELETE, body).body.get("deleted", []))
 
     def notice(self, job: str, notice: Notice) -> None:
         """Record an interruption notice on the job (shown by ``dashrun status``)."""
@@ -372,6 +403,12 @@ class MemdClient:
                                         hint="the process that sets them is late, or gone")
 
 
+def _updated(summary: dict[str, Any]) -> float:
+    """When a job's summary says it last changed (the newest first in a listing)."""
+    updated = summary.get("updated")
+    return float(updated) if type(updated) in (int, float) else 0.0
+
+
 def _token(value: Any, low: int = 1) -> int:
     if type(value) is not int or not low <= value <= MAX_STEP:
         raise ProtocolError("malformed token or generation in a reply")
@@ -386,7 +423,7 @@ def memd_from_env() -> Callable[[], MemdClient] | None:
         return None
     try:
         host, port = parse_address(address, default_port=env.DEFAULT_PORT, what="memd")
-        token = read_token(token_file)
+        token = read_token(token_file, warn=False)  # a rank: its launcher warned of a weak token already
         tls = TlsSettings.from_env()
     except (DashError, OSError, ValueError) as e:
         log.warning("dashrun: cannot reach dash-memd as %s=%s says (%s)", env.MEMD.name, address, e)

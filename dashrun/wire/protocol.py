@@ -49,7 +49,8 @@ __all__ = ["crc32c", "decode_body", "decode_header", "encode_body", "encode_head
 MAGIC = b"DASH"
 #: 2: over TLS, the link goes on in sealed records after the login (:mod:`dashrun.wire.sealed`); a peer of
 #: version 1 would not, so the two refuse each other at the first frame.
-VERSION = 2
+#: 3: with --no-tls too, the link goes on in signed records after the login; a peer of version 2 would not.
+VERSION = 3
 HEADER = struct.Struct("!4sBBHIQI")
 TRAILER = struct.Struct("!I")
 
@@ -86,7 +87,7 @@ class Kind(enum.IntEnum):
     LATEST = 18         # newest committed checkpoint of a job (or a given step)
     GET_SHARD = 19      # one shard's bytes of a committed checkpoint
     WAIT = 20           # block until a step of a job is committed (or a timeout)
-    LIST = 21           # jobs and their checkpoints
+    LIST = 21           # jobs and their checkpoints, a page at a time (after: a job id; next: the following page's)
     PING = 22
     PUT_SPEC = 23       # store how a job was launched, for `dashrun resume`
     GET_SPEC = 24

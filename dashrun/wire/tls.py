@@ -10,6 +10,8 @@ TLS shows the client another certificate than dash-memd's own, so the two ends
 sign different bindings and the login fails. ``--tls-ca`` makes a client check
 the certificate's chain and host name as well. TLS ends with the login: the
 connection goes on in sealed records keyed from it (:mod:`dashrun.wire.sealed`).
+With ``--no-tls`` nothing is secret, but the records after the login are still
+signed with keys from it: no byte of them is altered or injected unseen.
 
 The client speaks first in both modes, so dash-memd tells the two apart by the
 first byte (a TLS handshake record starts with 0x16, a dashrun frame with

@@ -4,7 +4,14 @@ Durability is ``fsync always``: a checkpoint it lists has been fsynced
 (files, manifest, directories) before it was renamed into place, so a crash
 loses at most the checkpoint being written. A new attempt at a step already
 on disk is swapped in with one ``renameat2(RENAME_EXCHANGE)``, so the step's
-directory always exists complete. Bytes are checked against their CRC-32C as
+directory always exists complete; where the file system has no such call, the
+old copy is moved aside (``.replaced-<step>-*``) and the new one renamed into
+place, and a scan after a crash in between puts the complete copy back in
+place (the new attempt's if it is complete, else the old one). A removal
+(:meth:`DiskTier.delete`) is fsynced, and the data dir's deletions are
+recorded (:attr:`DiskTier.tombstones`, :mod:`dashrun.memd.tombstones`)
+before they are carried out, so that the catalogue's start never loads a
+deleted step a crash brought back. Bytes are checked against their CRC-32C as
 they are written (a copy whose bytes changed in RAM since they arrived is
 never renamed into place) and as they are read; a copy that fails then is
 moved under ``quarantine/``, never deleted.
@@ -20,6 +27,7 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -27,13 +35,14 @@ from typing import Callable, Iterator, Sequence
 
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError
 from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
+from dashrun.memd.tombstones import TOMBSTONES, Tombstones
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.faults import crash_point
 from dashrun.util.files import discard_tree, fsync_dir, unmap, write_atomic, write_new
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c, valid_job_id
 
-__all__ = ["DiskTier", "QUARANTINE", "exchange", "file_crc"]
+__all__ = ["DiskTier", "QUARANTINE", "REPLACED", "exchange", "file_crc"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,8 @@ QUARANTINE = "quarantine"
 _CHUNK = 8 << 20
 #: Seconds a shard file found right is not read whole again while it is unchanged (same inode, size, mtime).
 RECHECK_AFTER = 30.0
+#: Prefix of a step's directory moved aside while a new attempt replaces it without RENAME_EXCHANGE.
+REPLACED = ".replaced-"
 #: renameat2(2) flag: swap two paths atomically (Linux 3.15; not every file system has it).
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -121,7 +132,8 @@ class DiskTier(Tier):
     (never loads) anything partial; the bytes are checked when read
     (:meth:`open` with the shard's header, :meth:`check`). A copy whose bytes
     fail goes to ``root/quarantine/<job>/<step>-<hex>`` (:meth:`quarantine`);
-    :attr:`quarantined` counts them per job.
+    :attr:`quarantined` counts them per job. :attr:`tombstones` are the data dir's deletions not every tier
+    has caught up with; the catalogue records each before it deletes anything, and applies them to a scan.
     """
 
     name = "disk"
@@ -133,8 +145,15 @@ class DiskTier(Tier):
         self.quarantine_dir = self.root / QUARANTINE
         #: job -> copies of it in quarantine (they stay until an operator removes them)
         self.quarantined: dict[str, int] = {}
-        #: (job, step, rank) -> (the file's identity, when its bytes were last found right)
+        #: (job, step, rank) -> (the file's identity, when its bytes were last found right or last read)
         self._checked: dict[tuple[str, int, int], tuple[tuple[int, int, int, int], float]] = {}
+        #: (job, step, rank) -> reads of it open now: a shard open for reading stays checked while it is
+        self._open: dict[tuple[str, int, int], int] = {}
+        #: (job, step, rank) -> the check of it under way, which reads that come meanwhile wait for
+        self._checking: dict[tuple[str, int, int], threading.Event] = {}
+        self._lock = threading.Lock()  # guards the three above
+        self.tombstones = Tombstones(self.root / TOMBSTONES)
+        self.tombstones.purged_by(self.name)
         if self.quarantine_dir.is_dir():
             for job_dir in self.quarantine_dir.iterdir():
                 if job_dir.is_dir() and valid_job_id(job_dir.name):
@@ -174,12 +193,12 @@ class DiskTier(Tier):
             if final.exists():  # a newer attempt at the same step replaces the old one
                 if exchange(tmp, final):  # the old attempt now sits at tmp, removed below
                     crash_point("disk.mid_replace", job=info.job, step=info.step)
-                else:  # a crash between these renames leaves no step directory
-                    trash = job_dir / f".trash-{uuid.uuid4().hex[:8]}"
-                    os.rename(final, trash)
+                else:  # a crash between these renames leaves no step directory: the scan puts a copy back
+                    aside = job_dir / f"{REPLACED}{info.step:016d}-{uuid.uuid4().hex[:8]}"
+                    os.rename(final, aside)
                     crash_point("disk.mid_replace", job=info.job, step=info.step)
                     os.rename(tmp, final)
-                    tmp = trash
+                    tmp = aside
                 fsync_dir(job_dir)
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
@@ -229,26 +248,36 @@ class DiskTier(Tier):
 
     @contextlib.contextmanager
     def open(self, job: str, step: int, rank: int, shard: ShardHeader | None = None) -> Iterator[memoryview]:
-        """One shard's bytes, mapped. With its ``shard`` header, the bytes are checked first (see :meth:`check`)."""
+        """One shard's bytes, mapped. With its ``shard`` header, the bytes are checked first, once per read
+        session: not again while a read of the same file is open, nor for RECHECK_AFTER seconds after the last
+        one ends; reads that come while it is checked wait for that check (see :meth:`check`)."""
         fd = self._open_shard(job, step, rank)
+        key = (job, step, rank)
         try:
-            if shard is not None and not self._recently_checked(fd, shard):
-                self._check_fd(fd, shard)  # read through the page cache: the mapping then finds the pages there
-                now = time.monotonic()
-                if len(self._checked) > 1024:  # forget what a new check would be due for anyway
-                    self._checked = {k: v for k, v in self._checked.items() if now - v[1] < RECHECK_AFTER}
-                self._checked[(job, step, rank)] = (self._identity(fd), now)
-            size = os.fstat(fd).st_size
-            if size == 0:
-                yield memoryview(b"")
-                return
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            view = memoryview(mapped)
+            if shard is not None:
+                self._check_once(fd, key, shard)
+            with self._lock:
+                self._open[key] = self._open.get(key, 0) + 1
             try:
-                yield view
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    yield memoryview(b"")
+                    return
+                mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                view = memoryview(mapped)
+                try:
+                    yield view
+                finally:
+                    view.release()
+                    unmap(mapped)
             finally:
-                view.release()
-                unmap(mapped)
+                with self._lock:
+                    self._open[key] -= 1
+                    if not self._open[key]:
+                        del self._open[key]
+                        checked = self._checked.get(key)
+                        if checked is not None:  # the session ends: the next check is due RECHECK_AFTER from now
+                            self._checked[key] = (checked[0], time.monotonic())
         finally:
             os.close(fd)
 
@@ -257,12 +286,35 @@ class DiskTier(Tier):
         st = os.fstat(fd)
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
-    def _recently_checked(self, fd: int, shard: ShardHeader) -> bool:
-        """Whether this very file was checked whole less than RECHECK_AFTER seconds ago: a restore reads one
-        shard in several byte ranges, and one check covers them all."""
-        checked = self._checked.get((shard.job, shard.step, shard.rank))
-        return (checked is not None and checked[0] == self._identity(fd)
-                and time.monotonic() - checked[1] < RECHECK_AFTER)
+    def _check_once(self, fd: int, key: tuple[str, int, int], shard: ShardHeader) -> None:
+        """Check the file's bytes unless this very file (same inode, size, mtime) is open for another read or
+        was found right less than RECHECK_AFTER seconds ago; a check already under way is waited for, not
+        made twice. A restore reads one shard in many byte ranges over several streams: one check covers them
+        all, however long it takes."""
+        identity = self._identity(fd)
+        while True:
+            with self._lock:
+                checked = self._checked.get(key)
+                if checked is not None and checked[0] == identity and (
+                        self._open.get(key) or time.monotonic() - checked[1] < RECHECK_AFTER):
+                    return
+                flight = self._checking.get(key)
+                if flight is None:
+                    flight = self._checking[key] = threading.Event()
+                    break
+            flight.wait()  # then look again: found right, or this read checks (the other's check failed)
+        try:
+            self._check_fd(fd, shard)  # read through the page cache: the mapping then finds the pages there
+            with self._lock:
+                now = time.monotonic()
+                if len(self._checked) > 1024:  # forget what a new check would be due for anyway
+                    self._checked = {k: v for k, v in self._checked.items()
+                                     if k in self._open or now - v[1] < RECHECK_AFTER}
+                self._checked[key] = (identity, now)
+        finally:
+            with self._lock:
+                del self._checking[key]
+            flight.set()
 
     def quarantine(self, job: str, step: int) -> Path | None:
         """Move a step's directory under ``quarantine/`` (not fsynced: if the move is lost in a crash, the copy
@@ -277,6 +329,7 @@ class DiskTier(Tier):
         return target
 
     def delete(self, job: str, step: int) -> None:
+        """Remove a step's directory, durably once this returns (OSError if not)."""
         discard_tree(self.step_dir(job, step))
 
     def put_spec(self, spec: JobSpec, job: str) -> None:
@@ -285,7 +338,13 @@ class DiskTier(Tier):
         write_atomic(job_dir / SPEC, json.dumps(spec.to_body(), indent=1))
 
     def delete_spec(self, job: str) -> None:
-        (self._job_dir(job) / SPEC).unlink(missing_ok=True)
+        """Remove a job's launch spec, durably once this returns (OSError if not)."""
+        job_dir = self._job_dir(job)
+        try:
+            (job_dir / SPEC).unlink()
+        except FileNotFoundError:
+            return
+        fsync_dir(job_dir)  # until then a crash can bring the spec back, and resume the job deleted
 
     def specs(self) -> dict[str, JobSpec]:
         """Every job's launch spec on disk; unreadable ones are skipped with a warning."""
@@ -314,11 +373,66 @@ class DiskTier(Tier):
             if read and file_crc(path) != shard.crc:
                 raise ChecksumError(f"{path.name} fails its checksum")
 
+    def _complete(self, step_dir: Path, job: str, step: int) -> CheckpointInfo:
+        """The checkpoint in ``step_dir`` if it is complete (its manifest, of ``job`` step ``step``, and every
+        shard file of its size); raises as :meth:`scan_report` reports."""
+        info = self.read_manifest(step_dir)
+        if info.job != job or info.step != step:
+            raise ValueError("manifest describes another checkpoint")
+        self.verify(step_dir, info, read=False)
+        return info
+
+    def _finish_replacements(self, job_dir: Path, problems: list[str]) -> None:
+        """Where a replacement without RENAME_EXCHANGE was interrupted between its renames, the step has no
+        directory, its old copy is at ``.replaced-<step>-*`` and the new one at ``.tmp-<step>-*``: put the new
+        copy in place if it is complete (the newest, if several are), else the old one. The other is left
+        for the scan to remove."""
+        for aside in sorted(job_dir.glob(f"{REPLACED}*")):
+            name = aside.name[len(REPLACED):].partition("-")[0]
+            final = job_dir / name
+            if not name.isdigit() or final.exists():
+                continue  # the replacement got as far as its second rename
+            newest: tuple[float, Path] | None = None
+            for copy in sorted(job_dir.glob(f".tmp-{name}-*")):
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ChecksumError, ProtocolError):
+                    committed_at = self._complete(copy, job_dir.name, int(name)).committed_at
+                    if newest is None or committed_at > newest[0]:
+                        newest = (committed_at, copy)
+            chosen = newest[1] if newest is not None else aside
+            os.rename(chosen, final)
+            fsync_dir(job_dir)
+            problems.append(f"recovered {final} from {chosen.name}: its replacement by a new attempt was interrupted")
+
+    def drop_deleted(self, found: list[CheckpointInfo]) -> tuple[list[CheckpointInfo], list[str]]:
+        """Of the checkpoints a scan found, remove again those a tombstone covers (a removal a crash undid, or
+        one that failed); returns the others, and what was removed or could not be. The disk has caught up
+        with each tombstone whose checkpoints are all gone (:meth:`Tombstones.purged`)."""
+        kept, problems, behind = [], [], set()
+        for info in found:
+            tombstone = self.tombstones.covering(info)
+            if tombstone is None:
+                kept.append(info)
+                continue
+            try:
+                self.delete(info.job, info.step)
+            except OSError as e:
+                behind.add(tombstone)
+                problems.append(f"ignored {info.job} step {info.step}: deleted, and it cannot be removed "
+                                f"({e.strerror or e})")
+            else:
+                problems.append(f"removed {info.job} step {info.step}: deleted before dash-memd stopped")
+        for tombstone in self.tombstones.records():
+            if tombstone not in behind:
+                self.tombstones.purged(tombstone, self.name)
+        return kept, problems
+
     def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
-        """(complete checkpoints, what was skipped and why). Removes leftovers of interrupted writes.
+        """(complete checkpoints, what was skipped and why). Removes leftovers of interrupted writes, after
+        putting back in place a step's copy that an interrupted replacement left aside.
 
         Reads manifests and file sizes only, so a start does not wait for every shard to be read: damage of
-        the same size shows when the bytes are read (:meth:`check`).
+        the same size shows when the bytes are read (:meth:`check`). Deletions are not applied here: see
+        :meth:`drop_deleted`.
         """
         found: list[CheckpointInfo] = []
         problems: list[str] = []
@@ -326,10 +440,11 @@ class DiskTier(Tier):
             if not valid_job_id(job_dir.name):
                 problems.append(f"ignored {job_dir}: not a job directory")
                 continue
+            self._finish_replacements(job_dir, problems)
             for step_dir in sorted(job_dir.iterdir()):
                 if step_dir.name == SPEC or step_dir.name.startswith(f".{SPEC}."):
                     continue
-                if step_dir.name.startswith((".tmp-", ".trash-")):
+                if step_dir.name.startswith((".tmp-", ".trash-", REPLACED)):
                     problems.append(f"removed {step_dir}: left by an interrupted write")
                     shutil.rmtree(step_dir, ignore_errors=True)
                     continue
@@ -337,10 +452,7 @@ class DiskTier(Tier):
                     problems.append(f"ignored {step_dir}: not a checkpoint directory")
                     continue
                 try:
-                    info = self.read_manifest(step_dir)
-                    if info.job != job_dir.name or info.step != int(step_dir.name):
-                        raise ValueError("manifest describes another checkpoint")
-                    self.verify(step_dir, info, read=False)
+                    info = self._complete(step_dir, job_dir.name, int(step_dir.name))
                 except FileNotFoundError as e:
                     problems.append(f"ignored {step_dir}: incomplete ({Path(e.filename or '').name} missing)")
                 except (ValueError, KeyError, TypeError, ChecksumError, ProtocolError) as e:

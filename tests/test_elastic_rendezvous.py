@@ -262,7 +262,7 @@ def test_a_whole_job_delete_is_refused_while_its_nodes_heartbeat_unless_forced(m
     with memd.client() as client:
         client.put_spec("live", JobSpec(("train.py",), "/w", "n1", 1.0))
         with pytest.raises(ConflictError, match=r"live has 2 live nodes \(last heartbeat \d+s ago\): stop them "
-                                                r"first, or pass --force-live"):
+                                                r"first, or delete it anyway with: dashrun rm \S+ --force-live"):
             client.delete("live")
         assert client.rendezvous_get("live", "live") is not None and client.get_spec("live") is not None
         assert client.delete("live", keep=1) == []  # gc deletes no job: the nodes go on

@@ -71,7 +71,7 @@ class FleetRequests:
         count = sum(found.live for found in live)
         newest = min(found.newest_age for found in live)
         raise ConflictError(f"{job} has {count} live node{'' if count == 1 else 's'} (last heartbeat {newest:.0f}s "
-                            "ago): stop them first, or pass --force-live to delete it anyway")
+                            f"ago): stop them first, or delete it anyway with: dashrun rm {job} --force-live")
 
     def delete_job(self, job: str) -> None:
         self.rendezvous.delete_job(job)

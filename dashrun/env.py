@@ -93,6 +93,16 @@ MEMBERSHIP = Var("DASH_MEMBERSHIP", "the job's nodes and world history, JSON (Ch
                  "ranks")
 TERM_GRACE = Var("DASH_TERM_GRACE", "seconds a rank has, from SIGTERM, to commit its emergency checkpoint before "
                  "its launcher kills it (dashrun sets it from torchrun's --shutdown-timeout)", "dashrun", "ranks")
+TOKEN_JOB = Var("DASH_TOKEN_JOB", "the job whose credential dash-memd token writes (from the cluster's token)",
+                "user", "dash-memd")
+KEYS_OUT = Var("DASH_KEYS_OUT", "where dash-memd keys writes the operator's private key (and .pub)", "user",
+               "dash-memd")
+WEAK_TOKEN_OK = Var("DASH_WEAK_TOKEN_OK", "'1': take a token that is not 64 random hex digits (with a warning)",
+                    "user", "all")
+OPERATOR_KEY = Var("DASH_OPERATOR_KEY", "the operator's Ed25519 private key (dash-memd keys): signs launch specs",
+                   "user", "dashrun")
+OPERATOR_PUBKEY = Var("DASH_OPERATOR_PUBKEY", "the operator's Ed25519 public key: dashrun resume runs only specs "
+                      "it signed", "user", "dashrun resume")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
                "all")
 
@@ -101,7 +111,8 @@ ALL: tuple[Var, ...] = (
     MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
     DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT,
     IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS,
-    ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, CRASH_AT,
+    ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB, KEYS_OUT, WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY,
+    CRASH_AT,
 )
 
 

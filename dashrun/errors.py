@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 
 __all__ = ["AuthError", "BusyError", "ChecksumError", "ConflictError", "DashError", "ErrorCode", "ExitCode",
-           "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RemoteError", "RestoreMismatchError",
-           "UnavailableError", "UsageError"]
+           "ForbiddenError", "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RemoteError",
+           "RestoreMismatchError", "UnavailableError", "UsageError"]
 
 
 class ExitCode(enum.IntEnum):
@@ -38,6 +38,7 @@ class ErrorCode(str, enum.Enum):
 
     BAD_REQUEST = "bad_request"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     NO_SPACE = "no_space"
     CONFLICT = "conflict"
@@ -119,6 +120,14 @@ class ConflictError(DashError):
     code = ErrorCode.CONFLICT
 
 
+class ForbiddenError(DashError):
+    """Logged in, but with a credential that does not cover the request (another job's, or the operator's
+    to do)."""
+
+    code = ErrorCode.FORBIDDEN
+    exit_code = ExitCode.USAGE
+
+
 class BusyError(DashError):
     code = ErrorCode.BUSY
 
@@ -133,6 +142,7 @@ _BY_CODE: dict[ErrorCode, type[DashError]] = {
     ErrorCode.NOT_FOUND: NotFoundError,
     ErrorCode.NO_SPACE: NoSpaceError,
     ErrorCode.CONFLICT: ConflictError,
+    ErrorCode.FORBIDDEN: ForbiddenError,
     ErrorCode.BUSY: BusyError,
     ErrorCode.CHECKSUM: ChecksumError,
     ErrorCode.UNAVAILABLE: UnavailableError,

@@ -18,6 +18,7 @@ from dashrun.errors import UnavailableError
 from dashrun.util import daemon
 from dashrun.util.tokens import write_token
 from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.operator import write_key_pair
 from dashrun.wire.tls import TlsSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,6 +101,19 @@ class Memd:
     def token(self) -> bytes:
         return self.token_file.read_bytes().strip()
 
+    @property
+    def operator_key(self) -> Path:
+        """The operator's private key of this cluster (made beside the token file the first time it is asked
+        for); its public key is :attr:`operator_pubkey`."""
+        key = self.token_file.with_name(self.token_file.name + ".operator")
+        if not key.exists():
+            write_key_pair(key)
+        return key
+
+    @property
+    def operator_pubkey(self) -> Path:
+        return self.operator_key.with_name(self.operator_key.name + ".pub")
+
     def start(self, port: int | None = None) -> Memd:
         ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
         listen = f"127.0.0.1:{self.port if port is None else port}"
@@ -155,8 +169,10 @@ def memd(memd_factory) -> Memd:
 
 
 def dashrun_cmd(memd: Memd, *args: str, job: str, nproc: int = 2) -> list[str]:
+    """A launch as the operator runs it: with the cluster's token and the key that signs its launch spec."""
     return [sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(memd.token_file),
-            *memd.tls_args, "--job-id", job, "--nproc-per-node", str(nproc), *args]
+            "--operator-key", str(memd.operator_key), *memd.tls_args, "--job-id", job, "--nproc-per-node", str(nproc),
+            *args]
 
 
 class Agent:

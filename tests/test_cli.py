@@ -51,7 +51,8 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
     assert own == ["agent_cpus", "cloud", "fresh", "hostfile", "job_id", "memd", "metadata_endpoint", "no_tls",
-                   "poll_interval", "remote_python", "ssh_config", "tls_ca", "token_file", "version"]
+                   "operator_key", "poll_interval", "remote_python", "ssh_config", "tls_ca", "token_file", "version",
+                   "weak_token_ok"]
 
 
 def test_pet_environment_twins_work_as_in_torchrun(monkeypatch):
@@ -336,7 +337,7 @@ def test_gc_and_rm(finished_job):
     assert dashrun("rm", "cli", *memd_args(memd)).returncode == 0
     assert json.loads(dashrun("status", *memd_args(memd), "--json").stdout)["jobs"] == []
     assert not (memd.data_dir / "jobs" / "cli" / "0000000000000009").exists()
-    gone = dashrun("resume", "--job-id", "cli", *memd_args(memd))
+    gone = dashrun("resume", "--job-id", "cli", *memd_args(memd), "--operator-pubkey", str(memd.operator_pubkey))
     assert gone.returncode == 1 and "no launch spec" in gone.stderr
 
 
@@ -346,11 +347,13 @@ def test_resume_relaunches_the_stored_spec_from_another_directory(memd, tmp_path
     workdir.mkdir()
     elsewhere.mkdir()
     shutil.copy(TRAIN, workdir / "train.py")
-    launch = [sys.executable, "-m", "dashrun", *memd_args(memd), "--job-id", "spec", "--nproc-per-node", "2",
+    launch = [sys.executable, "-m", "dashrun", *memd_args(memd), "--operator-key", str(memd.operator_key),
+              "--job-id", "spec", "--nproc-per-node", "2",
               "train.py", "--steps", "20", "--interval", "5", "--out", "out"]  # all relative to workdir
     crashed = run(launch, cwd=workdir, env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
     assert crashed.returncode == 1
-    resumed = dashrun("resume", "--job-id", "spec", *memd_args(memd), cwd=elsewhere)
+    resumed = dashrun("resume", "--job-id", "spec", *memd_args(memd), "--operator-pubkey", str(memd.operator_pubkey),
+                      cwd=elsewhere, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     starts = [line for line in (workdir / "out" / "rank1.log").read_text().splitlines() if line.startswith("start")]
     assert starts == ["start 0", "start 10"]

@@ -123,6 +123,7 @@ def test_memd_version_and_every_option_has_an_env_twin():
     assert version.returncode == 0 and version.stdout.strip() == f"dash-memd {__version__}"
     shown = subprocess.run(memd_cmd("start", "--help"), capture_output=True, text=True, timeout=60).stdout
     shown += subprocess.run(memd_cmd("token", "--help"), capture_output=True, text=True, timeout=60).stdout
+    shown += subprocess.run(memd_cmd("keys", "--help"), capture_output=True, text=True, timeout=60).stdout
     shown = " ".join(shown.split())  # help text wraps anywhere
     missing = [v.name for v in env.ALL if "dash-memd" in v.read_by and v.name not in shown]
     assert missing == []

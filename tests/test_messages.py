@@ -105,24 +105,27 @@ def test_a_notice_a_peer_made_up_is_refused(body):
         Notice.from_body(body)
 
 
-def test_a_launch_spec_is_signed_for_its_job_under_the_token_and_verified_after_a_round_trip():
-    token, other = b"t" * 32, b"o" * 32
+def test_a_launch_spec_is_signed_for_its_job_by_the_operator_and_verified_after_a_round_trip():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    public = key.public_key()
     spec = JobSpec(("--nproc-per-node", "2", "train.py", "--lr", "3e-4"), "/work", "node-1", 1.7e9 + 0.123)
-    signed = spec.signed("gpt-1", token)
-    assert len(signed.mac) == 64 and not spec.mac
+    signed = spec.signed("gpt-1", key)
+    assert len(signed.signature) == 128 and not spec.signature
     again = JobSpec.from_body(json.loads(json.dumps(signed.to_body())))  # as stored on disk or in the bucket
     assert again == signed
-    again.verify("gpt-1", token)
+    again.verify("gpt-1", public)
     with pytest.raises(AuthError, match="not signed"):  # stored before specs were signed
-        JobSpec.from_body(spec.to_body()).verify("gpt-1", token)
-    for forged in (signed.signed("gpt-1", other),                                    # another cluster's token
+        JobSpec.from_body(spec.to_body()).verify("gpt-1", public)
+    for forged in (signed.signed("gpt-1", other),                                    # another key (a node's)
                    dataclasses.replace(signed, argv=("train.py", "--evil")),          # the command changed
                    dataclasses.replace(signed, cwd="/tmp"),                            # the directory changed
                    dataclasses.replace(signed, created=signed.created + 1e-6)):
-        with pytest.raises(AuthError, match="valid MAC"):
-            forged.verify("gpt-1", token)
-    with pytest.raises(AuthError, match="valid MAC"):  # another job's valid spec, copied over
-        signed.verify("gpt-2", token)
-    for mac in ("", "zz" * 32, "ab" * 31, 5):
+        with pytest.raises(AuthError, match="valid signature"):
+            forged.verify("gpt-1", public)
+    with pytest.raises(AuthError, match="valid signature"):  # another job's valid spec, copied over
+        signed.verify("gpt-2", public)
+    for signature in ("", "zz" * 64, "ab" * 63, 5):
         with pytest.raises(ProtocolError):
-            JobSpec.from_body({**signed.to_body(), "mac": mac})
+            JobSpec.from_body({**signed.to_body(), "signature": signature})

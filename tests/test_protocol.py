@@ -33,9 +33,9 @@ def test_header_golden_bytes():
     body = encode_body({"job": "gpt-1", "step": 7})
     assert body == b'{"job":"gpt-1","step":7}'
     raw = encode_header(Kind.LATEST, body, data_len=5)
-    assert raw == (b"DASH" + bytes([3, 18]) + b"\x00\x00" + struct.pack("!I", len(body))
+    assert raw == (b"DASH" + bytes([4, 18]) + b"\x00\x00" + struct.pack("!I", len(body))
                    + struct.pack("!Q", 5) + struct.pack("!I", crc32c(body)))
-    assert raw.hex() == "444153480312000000000018000000000000000538c3e2c1".replace(
+    assert raw.hex() == "444153480412000000000018000000000000000538c3e2c1".replace(
         "38c3e2c1", struct.pack("!I", crc32c(body)).hex())
     header = decode_header(raw, max_body=1024, max_data=10)
     assert (header.kind, header.body_len, header.data_len) == (Kind.LATEST, len(body), 5)
@@ -44,7 +44,7 @@ def test_header_golden_bytes():
 
 def test_header_fixed_layout():
     assert HEADER.size == 24
-    assert protocol.MAGIC == b"DASH" and protocol.VERSION == 3
+    assert protocol.MAGIC == b"DASH" and protocol.VERSION == 4
 
 
 @pytest.mark.parametrize("mutate, message", [

@@ -24,6 +24,7 @@ from dashrun.memd.tiers.base import SPEC
 from dashrun.util import tokens
 from dashrun.util.tokens import read_token, write_token
 from dashrun.wire.messages import JobSpec
+from dashrun.wire.operator import SeenSpecs, load_private_key, write_key_pair
 
 
 def resume(memd, job: str, *extra: str, cwd: Path) -> subprocess.Popen:
@@ -88,7 +89,8 @@ def test_every_command_refuses_a_token_file_others_may_read(tmp_path, short_tmp)
                       "--token-file", str(token)],
         "dash-agent": [py, "-m", "dashrun.agent", *nowhere, "--socket", str(short_tmp / "a.sock")],
         "dashrun status": [py, "-m", "dashrun", "status", *nowhere],
-        "dashrun resume": [py, "-m", "dashrun", "resume", "--job-id", "j", *nowhere],
+        "dashrun resume": [py, "-m", "dashrun", "resume", "--job-id", "j", *nowhere, "--operator-pubkey",
+                           str(write_key_pair(tmp_path / "operator"))],
     }
     running = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
                for name, cmd in commands.items()}
@@ -118,9 +120,16 @@ def private_token(path: Path, token: bytes) -> Path:
     (b"a" * 64, "it uses only 1 distinct characters"),
     (b"0123456789abcdef" * 4, "it repeats a block of 16 characters"),
 ], ids=["short", "one-character", "repeated"])
-def test_a_weak_token_is_taken_with_one_warning(tmp_path, caplog, monkeypatch, token, why):
+def test_a_weak_token_is_refused_unless_weak_token_ok_then_taken_with_one_warning(tmp_path, caplog, monkeypatch,
+                                                                                  token, why):
     monkeypatch.setattr(tokens, "_warned", set())  # what this process warned about already
+    monkeypatch.delenv("DASH_WEAK_TOKEN_OK", raising=False)
     path = private_token(tmp_path / "token", token)
+    with pytest.raises(UsageError) as refused:
+        read_token(path)
+    assert refused.value.message == f"token in {path} is not 32 random bytes as 64 hex digits"
+    assert "dash-memd token --out FILE" in refused.value.hint and "--weak-token-ok" in refused.value.hint
+    monkeypatch.setenv("DASH_WEAK_TOKEN_OK", "1")
     with caplog.at_level(logging.WARNING, logger=tokens.__name__):
         assert read_token(path) == token
         assert read_token(path) == token  # every command and link reads it: one warning still
@@ -135,13 +144,21 @@ def test_a_weak_token_is_taken_with_one_warning(tmp_path, caplog, monkeypatch, t
     assert not caplog.records
 
 
-def test_dash_memd_and_dashrun_s_commands_warn_of_a_weak_token_at_start(tmp_path):
+def test_dash_memd_and_dashrun_s_commands_refuse_a_weak_token_or_warn_of_it_at_start(tmp_path):
     token = private_token(tmp_path / "weak-token", b"0123456789abcdeffedcba9876543210")  # 128 bits
-    memd = Memd(tmp_path / "data", token, log_path=tmp_path / "memd.log").start()
+    refused = subprocess.run([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
+                              str(tmp_path / "data"), "--token-file", str(token)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "is not 32 random bytes as 64 hex digits" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "data" / "LOCK").exists()
+    memd = Memd(tmp_path / "data", token, "--weak-token-ok", log_path=tmp_path / "memd.log").start()
     try:
         assert memd.log().count("is weak: 32 characters of its alphabet hold 128 bits at best") == 1
-        status = subprocess.run([sys.executable, "-m", "dashrun", "status", "--memd", memd.address,
-                                 "--token-file", str(token)], capture_output=True, text=True, timeout=60)
+        command = [sys.executable, "-m", "dashrun", "status", "--memd", memd.address, "--token-file", str(token)]
+        status = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 2 and "is not 32 random bytes" in status.stderr
+        status = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "DASH_WEAK_TOKEN_OK": "1"})
         assert status.returncode == 0, status.stderr[-2000:]
         assert status.stderr.count(f"the token in {token} is weak") == 1
     finally:
@@ -157,8 +174,16 @@ def plant(data_dir: Path, job: str, body: dict) -> None:
     (data_dir / "jobs" / job / SPEC).write_text(json.dumps(body))
 
 
+def resume_as_node(memd, job: str, *extra: str, cwd: Path, cache: Path) -> subprocess.Popen:
+    """``dashrun resume`` as a replacement node runs it: with the operator's public key, and a state of its own."""
+    return subprocess.Popen([sys.executable, "-m", "dashrun", "resume", "--job-id", job, "--memd", memd.address,
+                             "--token-file", str(memd.token_file), "--operator-pubkey", str(memd.operator_pubkey),
+                             *memd.tls_args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd, env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+
+
 @pytest.mark.slow
-def test_resume_runs_only_a_spec_signed_with_the_token(memd_factory, tmp_path):
+def test_resume_runs_only_a_spec_the_operator_signed(memd_factory, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     marker = tmp_path / "it-ran"
@@ -167,25 +192,28 @@ def test_resume_runs_only_a_spec_signed_with_the_token(memd_factory, tmp_path):
     argv = ("--nproc-per-node", "1", "--max-restarts", "0", str(script))
 
     memd = memd_factory("--memory-limit", "64MiB")
-    good = JobSpec(argv, str(work), "node-1", 1.7e9).signed("good", memd.token)
+    operator = load_private_key(memd.operator_key)
+    good = JobSpec(argv, str(work), "node-1", 1.7e9).signed("good", operator)
     with memd.client() as client:  # stored as the launcher stores it
         client.put_spec("good", good)
     memd.stop()
-    other_token = write_token(tmp_path / "other-token")
-    plant(memd.data_dir, "unsigned", JobSpec(argv, str(work), "node-1", 1.7e9).to_body())  # as before specs had MACs
-    plant(memd.data_dir, "other-cluster", JobSpec(argv, str(work), "node-1", 1.7e9).signed("other-cluster",
-                                                                                           other_token).to_body())
+    write_key_pair(tmp_path / "node-key")  # a key pair of a node's own: not the operator's
+    node_key = load_private_key(tmp_path / "node-key")
+    plant(memd.data_dir, "unsigned", JobSpec(argv, str(work), "node-1", 1.7e9).to_body())  # as before specs were signed
+    plant(memd.data_dir, "by-a-node", JobSpec(argv, str(work), "node-1", 1.7e9).signed("by-a-node",
+                                                                                       node_key).to_body())
     plant(memd.data_dir, "tampered", {**good.to_body(), "argv": [*argv, "--evil"]})
     plant(memd.data_dir, "copied", good.to_body())  # a valid spec of another job
     memd = memd_factory("--memory-limit", "64MiB", data_dir=memd.data_dir)
 
-    refusals = {(job, extra): resume(memd, job, *extra, cwd=tmp_path) for job, extra in (
-        ("unsigned", ()), ("other-cluster", ()), ("tampered", ()), ("copied", ()), ("unsigned", ("--dry-run",)))}
-    dry_run = resume(memd, "good", "--dry-run", cwd=tmp_path)
+    cache = tmp_path / "node-cache"
+    refusals = {(job, extra): resume_as_node(memd, job, *extra, cwd=tmp_path, cache=cache) for job, extra in (
+        ("unsigned", ()), ("by-a-node", ()), ("tampered", ()), ("copied", ()), ("unsigned", ("--dry-run",)))}
+    dry_run = resume_as_node(memd, "good", "--dry-run", cwd=tmp_path, cache=cache)
     try:
         for (job, extra), proc in refusals.items():
             code, out, err = finish(proc)
-            why = "is not signed" if job == "unsigned" else "does not carry a valid MAC"
+            why = "is not signed by the operator" if job == "unsigned" else "does not carry a valid signature"
             assert code == 1, (job, extra, out, err[-2000:])
             assert f"the launch spec of job {job!r} {why}" in err, (job, err)
             assert "hint: " in err and "launch the job once more" in err
@@ -198,8 +226,28 @@ def test_resume_runs_only_a_spec_signed_with_the_token(memd_factory, tmp_path):
     # --dry-run of the good one: what would run, where, with which options and environment; nothing runs.
     assert code == 0, err[-2000:]
     lines = out.splitlines()
-    assert lines[0].startswith("job good: launch spec stored from node-1 ") and "MAC valid" in lines[0]
+    assert lines[0].startswith("job good: launch spec stored from node-1 ") and "signed by the operator" in lines[0]
     assert lines[1:3] == [f"would run in {work}:", f"  dashrun --nproc-per-node 1 --max-restarts 0 {script}"]
     assert "job_id=good" in lines[3] and "fresh=False" in lines[3] and f"memd={memd.address}" in lines[3]
     assert lines[4].startswith("environment: this shell's")
     assert not marker.exists()
+
+
+def test_resume_refuses_a_signed_spec_older_than_one_the_node_ran(memd, tmp_path):
+    """A replay: the operator's own signature, on a spec the operator has since replaced."""
+    operator = load_private_key(memd.operator_key)
+    argv = ("--nproc-per-node", "1", "train.py")
+    old = JobSpec(argv, str(tmp_path), "node-1", 1.7e9).signed("job", operator)
+    new = JobSpec((*argv, "--lr", "1e-4"), str(tmp_path), "node-1", 1.7e9 + 60).signed("job", operator)
+    cache = tmp_path / "node-cache"
+    seen = SeenSpecs(cache / "dashrun" / "resumed")
+    with memd.client() as client:
+        client.put_spec("job", new)
+        code, out, err = finish(resume_as_node(memd, "job", "--dry-run", cwd=tmp_path, cache=cache))
+        assert code == 0 and "--lr 1e-4" in out, err
+        assert seen.newest("job") is None  # a dry run remembers nothing
+        seen.check("job", new.created)  # as a resume that ran it would have
+        client.put_spec("job", old)  # someone with the token stores the old one again
+        code, out, err = finish(resume_as_node(memd, "job", "--dry-run", cwd=tmp_path, cache=cache))
+    assert code == 1 and out == "", err
+    assert "the launch spec of job 'job' is older than one this node ran already (a replay)" in err

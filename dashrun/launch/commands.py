@@ -31,12 +31,13 @@ from dashrun import env
 from dashrun.errors import NotFoundError, UsageError
 from dashrun.launch import dispatch
 from dashrun.launch.options import memd_address, require_token_file
-from dashrun.launch.private_memd import PrivateMemd
+from dashrun.launch.private_memd import PrivateMemd, resumed_home
 from dashrun.util.tokens import read_token
 from dashrun.util.units import format_size
 from dashrun.version import __version__
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import MembershipEvent
+from dashrun.wire.operator import SeenSpecs, load_public_key
 from dashrun.wire.protocol import valid_job_id
 from dashrun.wire.tls import TlsSettings
 
@@ -317,7 +318,7 @@ def _command_line(argv) -> str:
 def _print_plan(job_id: str, spec, overrides: dict) -> None:
     """What ``resume`` would run: where, the stored command line, what replaces its options, the environment."""
     click.echo(f"job {job_id}: launch spec stored from {_shell_word(spec.host)} {_age(spec.created)}, "
-               "its MAC valid under this token")
+               "signed by the operator")
     click.echo(f"would run in {_shell_word(spec.cwd)}:")
     click.echo(f"  {_command_line(spec.argv)}")
     click.echo("with these options set by resume: "
@@ -332,22 +333,37 @@ def _print_plan(job_id: str, spec, overrides: dict) -> None:
 @click.option("--job-id", envvar=env.JOB_ID.name, show_envvar=True, required=True, help="The job to resume.")
 @click.option("--dry-run", is_flag=True, show_envvar=True,
               help="Check the stored spec and print what would run; run nothing.")
+@click.option("--operator-pubkey", envvar=env.OPERATOR_PUBKEY.name, show_envvar=True, default=None,
+              type=click.Path(dir_okay=False),
+              help="The operator's public key (the .pub of dash-memd keys): only a spec it signed runs. Needed "
+                   "with --memd; the private dash-memd's is its own.")
 @memd_options
-def resume(job_id, dry_run, memd, token_file) -> None:
+def resume(job_id, dry_run, operator_pubkey, memd, token_file) -> None:
     """Relaunch JOB on this node as it was launched, from its newest committed checkpoint.
 
     What a replacement Spot VM runs at boot: dash-memd keeps each job's command
-    line and working directory, signed with the cluster's token when the job
-    was launched; a spec whose signature does not check out is never run.
+    line and working directory, signed with the operator's key when the job was
+    launched (dashrun --operator-key); a spec whose signature does not check
+    out, or that is older than one this node ran already, is never run.
     """
+    if memd is not None and operator_pubkey is None:
+        raise UsageError("resume needs --operator-pubkey with --memd: it runs only what the operator signed",
+                         hint=f"copy the .pub file of dash-memd keys to this node and give its path (or "
+                              f"{env.OPERATOR_PUBKEY.name})")
+    public = load_public_key(operator_pubkey if memd is not None
+                             else PrivateMemd(attach=True).operator_pubkey)
     with connect(memd, token_file) as client:
         spec = client.get_spec(_job(job_id))
     if spec is None:
         raise NotFoundError(f"dash-memd has no launch spec of job {job_id!r}",
-                            hint="a job is resumable once dashrun has launched it against this dash-memd")
-    # Write access to where dash-memd keeps specs (its disk, the bucket) must not be enough to run a command here.
-    spec.verify(job_id, read_token(token_file if memd is not None else PrivateMemd(attach=True).token_file))
-    overrides = {"job_id": job_id, "fresh": False, "no_tls": tls_settings().plaintext, "tls_ca": tls_settings().ca}
+                            hint="a job is resumable once dashrun --operator-key has launched it against this "
+                                 "dash-memd")
+    # Write access to where dash-memd keeps specs (its disk, the bucket), or any credential dash-memd takes, must
+    # not be enough to run a command here; nor an older spec the operator has since replaced.
+    spec.verify(job_id, public)
+    SeenSpecs(resumed_home()).check(job_id, spec.created, remember=not dry_run)
+    overrides = {"job_id": job_id, "fresh": False, "operator_key": None, "no_tls": tls_settings().plaintext,
+                 "tls_ca": tls_settings().ca}
     if memd is not None:
         overrides.update(memd=memd, token_file=token_file)
     if dry_run:

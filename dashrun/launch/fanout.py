@@ -57,7 +57,7 @@ CLOSE_WAIT = 10.0
 
 #: Options the fan-out decides for every host (by dest); removed from the user's command line before it is sent.
 DECIDED = frozenset({"hostfile", "ssh_config", "remote_python", "memd", "token_file", "job_id", "fresh",
-                     "nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id"})
+                     "operator_key", "nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id"})
 #: Variables that travel to every host as they are set here (torchrun's PET_* twins travel too).
 _FORWARDED = (env.CRASH_AT, env.NO_TLS, env.TLS_CA)
 

@@ -53,8 +53,10 @@ from dashrun.util import daemon
 from dashrun.util.cpus import thread_affinity
 from dashrun.util.retry import Backoff, retry
 from dashrun.util.tokens import read_token
+from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo, JobSpec
+from dashrun.wire.operator import load_private_key
 
 __all__ = ["AgentProcess", "NodeConfig", "config_from_args", "prepare_job", "run"]
 
@@ -197,11 +199,20 @@ def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = N
     token it refuses is a configuration error. ``rdzv_id``: the job's
     rendezvous in dash-memd (an elastic job), where --fresh never wipes a job
     that other nodes are running — every node runs the same command, and a
-    replacement that joins later must join it, not start it over.
+    replacement that joins later must join it, not start it over. What only the
+    operator may do (--fresh, the launch spec that ``dashrun resume`` runs)
+    needs the cluster's token, and the spec the operator's key (--operator-key).
     """
     from dashrun.launch.rendezvous import running_elsewhere
 
     token = read_token(options.token_file)
+    operator = Credential.parse(token).operator
+    if options.fresh and not operator:
+        raise UsageError(f"--fresh deletes every checkpoint of {options.job_id}: that needs the cluster's token, "
+                         "and --token-file holds the job's credential only",
+                         hint=f"run 'dashrun rm {options.job_id}' where the operator's token is, then launch without "
+                              "--fresh")
+    key = load_private_key(options.operator_key) if options.operator_key is not None and operator else None
 
     def attempt() -> CheckpointInfo | None:
         with MemdClient(*options.memd, token, timeout=30, tls=options.tls) as client:
@@ -212,19 +223,42 @@ def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = N
             elif options.fresh:
                 deleted = client.delete(options.job_id)
                 log.info("--fresh: deleted %d earlier checkpoints of %s", len(deleted), options.job_id)
-            spec = JobSpec(tuple(argv), os.getcwd(), socket.gethostname(), time.time())
-            client.put_spec(options.job_id, spec.signed(options.job_id, token))  # resume runs only signed specs
+            if key is not None:  # resume runs only specs the operator signed
+                spec = JobSpec(tuple(argv), os.getcwd(), socket.gethostname(), time.time())
+                client.put_spec(options.job_id, spec.signed(options.job_id, key))
             return client.latest(options.job_id)
 
+    if key is None:
+        log.info("job %s: no launch spec stored (%s): dashrun resume cannot relaunch it", options.job_id,
+                 "no --operator-key" if operator else "a job's credential cannot store one")
     try:
         return retry(attempt, on=UnavailableError,
                      backoff=Backoff(first=MEMD_RETRY_PAUSE, longest=MEMD_RETRY_PAUSE, jitter=0),
                      deadline=time.monotonic() + MEMD_WAIT, on_retry=lambda e, pause: log.warning("%s; retrying", e))
     except AuthError:
         raise UsageError(f"dash-memd at {options.memd[0]}:{options.memd[1]} refused this node's token",
-                         hint="--token-file must hold the same token as dash-memd's") from None
+                         hint="--token-file must hold the same token as dash-memd's (or a job credential made "
+                              "from it)") from None
     except UnavailableError as e:
         raise UnavailableError(str(e), hint="start dash-memd first, or check --memd and the network") from None
+
+
+@contextlib.contextmanager
+def job_scoped(options: LaunchOptions):
+    """``options`` with a token file that holds the job's credential only, for everything that runs from here
+    on (the rendezvous, dash-agent, the ranks): a rank that code it runs took over reaches its own job and no
+    other. Made from the cluster's token into a private file, removed at the end; a job's credential is kept."""
+    credential = Credential.parse(read_token(options.token_file, warn=False))
+    if not credential.operator:
+        credential.for_job(options.job_id)  # UsageError: another job's
+        yield options
+        return
+    folder = Path(tempfile.mkdtemp(prefix="dashrun-credential-"))  # 0700
+    try:
+        path = write_job_credential(credential.for_job(options.job_id), folder / "job-credential")
+        yield dataclasses.replace(options, token_file=path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def fetch_ahead(nproc_per_node: int) -> bool:
@@ -264,13 +298,15 @@ def run(config: NodeConfig) -> int:
             if options.memd is None:
                 with thread_affinity(placement.agent):  # it receives dash-agent's stream: off the ranks' cores too
                     private = stack.enter_context(PrivateMemd(attach=False, no_tls=options.tls.plaintext))
-                options = dataclasses.replace(options, memd=private.address, token_file=private.token_file)
+                options = dataclasses.replace(options, memd=private.address, token_file=private.token_file,
+                                              operator_key=options.operator_key or private.operator_key)
                 log.info("job %s: private dash-memd at %s:%d (data in %s)", options.job_id, *options.memd,
                          private.root)
             else:
                 log.info("job %s: dash-memd at %s:%d", options.job_id, *options.memd)
             newest = prepare_job(options, list(config.argv), launch_config.run_id if config.elastic else None)
             _say_where_it_starts(options.job_id, newest)
+            options = stack.enter_context(job_scoped(options))
             agent = stack.enter_context(AgentProcess(options, placement.agent,
                                                      prefetch=fetch_ahead(launch_config.nproc_per_node)))
             os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)

@@ -32,6 +32,8 @@ from dashrun.env import DEFAULT_PORT
 from dashrun.errors import UsageError
 from dashrun.launch.placement import AUTO, AgentCpus, parse_agent_cpus
 from dashrun.util.tokens import read_token
+from dashrun.wire.credentials import Credential
+from dashrun.wire.operator import load_private_key
 from dashrun.util.units import parse_address
 from dashrun.version import __version__
 from dashrun.wire.protocol import valid_job_id
@@ -89,6 +91,8 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("no_tls", ("--no-tls", "--no_tls"), "store_true"),
     OptionName("tls_ca", ("--tls-ca", "--tls_ca")),
     OptionName("agent_cpus", ("--agent-cpus", "--agent_cpus")),
+    OptionName("operator_key", ("--operator-key", "--operator_key")),
+    OptionName("weak_token_ok", ("--weak-token-ok", "--weak_token_ok"), "store_true"),
     # torchrun's
     OptionName("nnodes", ("--nnodes",)),
     OptionName("node_rank", ("--node-rank", "--node_rank")),
@@ -112,6 +116,7 @@ class LaunchOptions:
     poll_interval: float | None = None
     tls: TlsSettings = TlsSettings()
     agent_cpus: AgentCpus = AUTO  # where dash-agent runs: auto, none or its CPUs (dashrun.launch.placement)
+    operator_key: Path | None = None  # signs the launch spec (dashrun.wire.operator)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     f"launcher's other CPUs (env {env.AGENT_CPUS.name}; default auto: one core of "
                                     "those allowed, the highest-numbered, where there are more cores than ranks; "
                                     "none: as the launcher runs; a LIST like 7 or 6-7).")
+    NAMES["operator_key"].add_to(group, default=env.get(env.OPERATOR_KEY), metavar="FILE",
+                                 help=f"the operator's private key (dash-memd keys): sign the launch spec that "
+                                      f"dashrun resume runs on a new node (env {env.OPERATOR_KEY.name}; without it "
+                                      "no spec is stored, but for a private dash-memd, whose key is its own).")
+    NAMES["weak_token_ok"].add_to(group, default=env.get(env.WEAK_TOKEN_OK, "0") == "1",
+                                  help=f"take a token that is not 64 random hex digits, with a warning (env "
+                                       f"{env.WEAK_TOKEN_OK.name}=1, which the ranks and dash-agent inherit).")
     return parser
 
 
@@ -439,9 +451,14 @@ def _load_ca(ca: Path) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
-    """dashrun's options of a launch on this node, checked (with every other option's value); the token file and
-    the CA certificates are read now, to fail in one line."""
+    """dashrun's options of a launch on this node, checked (with every other option's value); the token file,
+    the operator's key and the CA certificates are read now, to fail in one line."""
     check_values(args)
+    if args.weak_token_ok:  # read where the token is: here, in dash-agent and in the ranks
+        os.environ[env.WEAK_TOKEN_OK.name] = "1"
+    operator_key = Path(args.operator_key).absolute() if args.operator_key else None
+    if operator_key is not None:
+        load_private_key(operator_key)
     _require_devices(args.nproc_per_node)
     require_script(args)
     job_id = job_id_from_args(args)
@@ -453,13 +470,13 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         require_shared_memd(args, max_nodes(args), "nodes")
         return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
                              metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval, tls=tls,
-                             agent_cpus=agent_cpus)
+                             agent_cpus=agent_cpus, operator_key=operator_key)
     require_token_file(args.memd, args.token_file)
     token_file = Path(args.token_file)
-    read_token(token_file)  # fail now, in one line, not later in the agent
+    Credential.parse(read_token(token_file)).for_job(job_id)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,
                          cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
-                         poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus)
+                         poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus, operator_key=operator_key)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:

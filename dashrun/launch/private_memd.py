@@ -27,9 +27,10 @@ import psutil
 from dashrun.errors import UsageError
 from dashrun.util import daemon
 from dashrun.util.tokens import write_token
+from dashrun.wire.operator import write_key_pair
 from dashrun.util.units import parse_address
 
-__all__ = ["ADDRESS_FILE", "PrivateMemd", "home"]
+__all__ = ["ADDRESS_FILE", "PrivateMemd", "home", "resumed_home"]
 
 START_TIMEOUT = 60.0
 #: Seconds dash-memd gets to finish its disk writes when stopped.
@@ -43,6 +44,11 @@ LOCK_FILE = "LOCK"
 def home() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "dashrun" / "memd"
+
+
+def resumed_home() -> Path:
+    """Where ``dashrun resume`` keeps the newest launch spec of each job this node ran (replays are refused)."""
+    return home().parent / "resumed"
 
 
 def _holder(data_dir: Path) -> psutil.Process | None:
@@ -99,6 +105,8 @@ class PrivateMemd:
         self.root = root or home()
         self.no_tls = no_tls  # start it with --no-tls (one already running keeps how it was started)
         self.token_file = self.root / "token"
+        self.operator_key = self.root / "operator.key"  # the user is this dash-memd's operator
+        self.operator_pubkey = self.root / "operator.key.pub"
         self.attach = attach
         self.address: tuple[str, int] | None = None
         self.proc: subprocess.Popen | None = None
@@ -107,6 +115,11 @@ class PrivateMemd:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not self.token_file.exists():
             write_token(self.token_file)
+        if not self.operator_key.exists():
+            try:
+                write_key_pair(self.operator_key)
+            except (UsageError, FileExistsError):  # another launcher made it just now
+                pass
         address_file = self.root / ADDRESS_FILE
         if _locked(self.root):
             holder = _holder(self.root)

@@ -7,6 +7,7 @@ wins over its variable, which wins over the default.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -22,6 +23,9 @@ from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token, write_token
 from dashrun.util.units import format_size, parse_address, parse_size
 from dashrun.version import __version__
+from dashrun.wire.credentials import Credential, write_job_credential
+from dashrun.wire.operator import write_key_pair
+from dashrun.wire.protocol import valid_job_id
 
 __all__ = ["PROGRAM", "cli", "config_from_options", "main", "run"]
 
@@ -81,21 +85,56 @@ def cli() -> None:
 @click.option("--parent-pid", envvar=env.PARENT_PID.name, show_envvar=True, type=int, default=None,
               help="Stop as on SIGTERM (disk writes finished first) when this process is gone: the launcher of a "
                    "private dash-memd.")
+@click.option("--weak-token-ok", envvar=env.WEAK_TOKEN_OK.name, show_envvar=True, is_flag=True,
+              help="Take a token that is not 64 random hex digits, with a warning.")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def start(**options) -> None:
     """Run dash-memd in the foreground until SIGTERM or SIGINT."""
     setup_logging(PROGRAM, options.pop("log_level"))
+    if options.pop("weak_token_ok"):
+        os.environ[env.WEAK_TOKEN_OK.name] = "1"  # where read_token looks
     sys.exit(run(config_from_options(**options)))
 
 
 @cli.command()
 @click.option("--out", envvar=env.TOKEN_OUT.name, show_envvar=True, required=True, type=click.Path(dir_okay=False),
-              help="Where to write the new token.")
-def token(out) -> None:
-    """Create a new random cluster token, readable by its owner only."""
-    write_token(out)
-    click.echo(f"wrote a new token to {out}; copy it to every node and pass --token-file {out}")
+              help="Where to write the new token (or the job's credential).")
+@click.option("--job", envvar=env.TOKEN_JOB.name, show_envvar=True, default=None, metavar="JOB",
+              help="Write JOB's credential, made from --token-file's token, instead of a new token: it logs in for "
+                   "JOB alone (its checkpoints, rendezvous, store) and cannot launch specs or delete the job.")
+@click.option("--token-file", envvar=env.TOKEN_FILE.name, show_envvar=True, default=None,
+              type=click.Path(dir_okay=False), help="The cluster's token, to make --job's credential from.")
+def token(out, job, token_file) -> None:
+    """Create a new random cluster token (or a job's credential), readable by its owner only."""
+    if job is None:
+        write_token(out)
+        click.echo(f"wrote a new token to {out}; give it to dash-memd and the operator (--token-file {out}), and "
+                   "each job's nodes only that job's credential (dash-memd token --job JOB)")
+        return
+    if not valid_job_id(job):
+        raise UsageError(f"{job!r} is not a valid job id", hint="1-128 of A-Z a-z 0-9 . _ -, starting alphanumeric")
+    if token_file is None:
+        raise UsageError("--job needs --token-file: a job's credential is made from the cluster's token")
+    credential = Credential.parse(read_token(token_file))
+    if not credential.operator:
+        raise UsageError(f"{token_file} holds a job's credential, not the cluster's token",
+                         hint="give the token dash-memd was started with")
+    try:
+        write_job_credential(credential.for_job(job), out)
+    except FileExistsError:
+        raise UsageError(f"{out} exists already", hint="give another --out, or remove the old file first") from None
+    click.echo(f"wrote job {job}'s credential to {out}; give it to the job's nodes as --token-file {out}")
+
+
+@cli.command()
+@click.option("--out", envvar=env.KEYS_OUT.name, show_envvar=True, required=True, type=click.Path(dir_okay=False),
+              help="Where to write the private key; the public key goes to the same path plus .pub.")
+def keys(out) -> None:
+    """Create the operator's Ed25519 key pair: launch specs signed with it are all dashrun resume runs."""
+    public = write_key_pair(out)
+    click.echo(f"wrote the operator's private key to {out} (keep it off the nodes: dashrun --operator-key {out}) "
+               f"and its public key to {public} (for every node: dashrun resume --operator-pubkey {public})")
 
 
 def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None, token_file: str, keep_ram: int,

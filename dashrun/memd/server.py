@@ -26,8 +26,9 @@ from dashrun.memd.admission import Admission, Slot
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
 from dashrun.memd.fleet import FleetRequests
+from dashrun.memd.scope import authorize
 from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.util.files import write_atomic
+from dashrun.util.files import read_or_create_id, write_atomic
 from dashrun.util.problems import ProblemLog
 from dashrun.wire import blocks
 from dashrun.wire.auth import server_handshake
@@ -48,7 +49,7 @@ from dashrun.wire.protocol import (
 )
 from dashrun.wire.tls import ServerTls, accept
 
-__all__ = ["LIST_PAGE_BYTES", "LIST_PAGE_JOBS", "LOCK_FILE", "MAX_WAIT", "MemdServer"]
+__all__ = ["ID_FILE", "LIST_PAGE_BYTES", "LIST_PAGE_JOBS", "LOCK_FILE", "MAX_WAIT", "MemdServer"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ DISK_LOOP_PAUSE = 0.5
 MAX_WAIT = 3600.0
 #: File in the data dir that a running dash-memd holds locked (and writes its pid to).
 LOCK_FILE = "LOCK"
+#: File in the data dir with dash-memd's lasting id, which every login names (:mod:`dashrun.wire.auth`).
+ID_FILE = "ID"
 #: Most jobs one LIST reply summarises, and most bytes of summaries it carries (a quarter of MAX_BODY: the
 #: rest of the reply is a few fields, and one summary alone is far smaller).
 LIST_PAGE_JOBS = 1000
@@ -99,6 +102,8 @@ class MemdServer:
             **self.fleet.handlers(),
         }
         self.address: tuple[str, int] | None = None
+        self.id = ""
+        self.forbidden = 0  # requests refused for a credential that did not cover them
         # Made (or loaded) before anything listens: a certificate that cannot be loaded is a usage error.
         self.tls = None if config.no_tls else ServerTls.load(config.tls_cert, config.tls_key)
 
@@ -106,6 +111,7 @@ class MemdServer:
 
     def start(self) -> None:
         self._lock_data_dir()
+        self.id = read_or_create_id(self.config.data_dir / ID_FILE)
         self.catalogue.load_disk()
         self.fleet.load()
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
@@ -227,7 +233,11 @@ class MemdServer:
                 continue
             problems.ok("accept")
             try:
-                slot = admission.admit(sock)
+                slot = admission.admit(sock, peer[0])
+            except errors.BusyError as e:  # a source guessing tokens: closed before a byte is read
+                problems.problem("guess", peer[0], "refused %s: %s", peer[0], e)
+                sock.close()
+                continue
             except OSError as e:  # out of descriptors: this connection cannot be served
                 log.warning("refused %s:%d: %s", peer[0], peer[1], e)
                 sock.close()
@@ -257,7 +267,12 @@ class MemdServer:
             ch = Channel(secured)
             ch.set_deadline(deadline - time.monotonic())
             # Logged in: from the unauthenticated budget to the authenticated one, or BusyError in place of WELCOME.
-            server_handshake(ch, self.config.token, "dash-memd", binding, admit=slot.logged_in)
+            try:
+                job = server_handshake(ch, self.config.token, "dash-memd", binding, admit=slot.logged_in,
+                                       server_id=self.id)
+            except errors.AuthError:
+                slot.login_failed()
+                raise
             ch.settimeout(self.config.idle_timeout)
             while not self._stopping.is_set():
                 frame = ch.recv()
@@ -265,7 +280,12 @@ class MemdServer:
                 if handler is None:
                     raise ProtocolError(f"unexpected {frame.kind.name} request")
                 try:
+                    authorize(job, frame)  # a job's credential: that job's requests only
                     handler(ch, frame)
+                except errors.ForbiddenError as e:
+                    log.warning("%s: refused %s: %s", who, frame.kind.name, e)
+                    self.forbidden += 1
+                    ch.send_error(e)
                 except (ProtocolError, UnavailableError):
                     raise
                 except DashError as e:  # refused, but the stream is still in step

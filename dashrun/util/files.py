@@ -13,7 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["discard_tree", "fsync_dir", "populated", "unmap", "write_atomic", "write_new"]
+__all__ = ["discard_tree", "fsync_dir", "populated", "read_or_create_id", "unmap", "write_atomic",
+           "write_new"]
 
 _CHUNK = 8 << 20
 #: Alignment O_DIRECT asks of addresses, lengths and offsets (the largest logical block size in use).
@@ -121,6 +122,21 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600, 
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+def read_or_create_id(path: str | os.PathLike) -> str:
+    """The random id (32 hex digits) kept in ``path``; made, durably, the first time. A file that holds no such
+    id (cut short by a crash before the rename could not be) is made anew."""
+    path = Path(path)
+    try:
+        held = path.read_text().strip()
+        if len(held) == 32 and all(c in "0123456789abcdef" for c in held):
+            return held
+    except FileNotFoundError:
+        pass
+    made = secrets.token_hex(16)
+    write_atomic(path, made + "\n", 0o644)
+    return made
 
 
 def discard_tree(path: str | os.PathLike) -> bool:

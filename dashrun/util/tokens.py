@@ -1,10 +1,15 @@
 """The cluster's shared token: read from a file only its owner may open, or created as such a file.
 
-A token shorter than :data:`MIN_TOKEN_LEN` is refused. One that is merely weak
-(:func:`token_weakness`: fewer than :data:`STRONG_BITS` bits at best for its
-length and alphabet, or few distinct characters, or a block repeated) is
-taken, with a warning logged once per process: every key of a link
-(:mod:`dashrun.wire.auth`, :mod:`dashrun.wire.sealed`) is only as strong as it.
+A token is what ``dash-memd token`` writes: 32 random bytes as 64 hex digits
+(or a job's credential, :mod:`dashrun.wire.credentials`). Anything else is
+refused unless ``--weak-token-ok`` (env ``DASH_WEAK_TOKEN_OK=1``) says the
+operator means it; then one shorter than :data:`MIN_TOKEN_LEN` is still
+refused, and one that is weak (:func:`token_weakness`: fewer than
+:data:`STRONG_BITS` bits at best for its length and alphabet, or few distinct
+characters, or a block repeated) is taken with a warning logged once per
+process: every key of a link (:mod:`dashrun.wire.auth`,
+:mod:`dashrun.wire.sealed`) is only as strong as it. The file must belong to
+the user reading it (or to root), as ssh wants of a private key.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import string
 import threading
 from pathlib import Path
 
+from dashrun import env
 from dashrun.errors import UsageError
 
-__all__ = ["MIN_TOKEN_LEN", "STRONG_BITS", "read_token", "token_weakness", "write_token"]
+__all__ = ["MIN_TOKEN_LEN", "STRONG_BITS", "read_token", "token_weakness", "weak_token_ok", "write_token"]
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +61,21 @@ def token_weakness(token: bytes) -> str | None:
     return None
 
 
+def weak_token_ok() -> bool:
+    """Whether the operator let tokens other than ``dash-memd token``'s through (``DASH_WEAK_TOKEN_OK=1``)."""
+    return env.get(env.WEAK_TOKEN_OK, "0") == "1"
+
+
+def _strong(token: bytes) -> bool:
+    """64 hex digits showing no pattern, or a job's credential (whose key is derived, 32 bytes)."""
+    if token.startswith(b"dashrun-job-v1 "):
+        return True
+    return (len(token) == 64 and all(c in b"0123456789abcdefABCDEF" for c in token)
+            and token_weakness(token) is None)
+
+
 def read_token(path: str | os.PathLike, *, warn: bool = True) -> bytes:
-    """The cluster's shared token from a file (surrounding whitespace ignored).
+    """The cluster's shared token (or a job's credential) from a file (surrounding whitespace ignored).
 
     Refused when group or others may read or write the file, as ssh refuses a
     private key they could read: anyone who can read the token can log in to
@@ -76,11 +95,21 @@ def read_token(path: str | os.PathLike, *, warn: bool = True) -> bytes:
         if stat.S_ISREG(mode) and mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise UsageError(f"token file {path} is open to group or others (mode {stat.S_IMODE(mode):04o})",
                              hint=f"chmod 600 {path}")
+        owner = os.fstat(f.fileno()).st_uid
+        if stat.S_ISREG(mode) and owner not in (os.geteuid(), 0):  # another user could change it under us
+            raise UsageError(f"token file {path} belongs to uid {owner}, not to this user (uid {os.geteuid()})",
+                             hint=f"chown {os.geteuid()} {path}")
         try:
             token = f.read().strip()
         except OSError as e:
             raise UsageError(f"cannot read token file {path}: {e.strerror}",
                              hint="create one with: dash-memd token --out FILE") from None
+    if _strong(token):
+        return token
+    if not weak_token_ok():
+        raise UsageError(f"token in {path} is not 32 random bytes as 64 hex digits",
+                         hint=f"create one with: dash-memd token --out FILE (or accept it: --weak-token-ok, "
+                              f"{env.WEAK_TOKEN_OK.name}=1, on every host)")
     if len(token) < MIN_TOKEN_LEN:
         raise UsageError(f"token in {path} is shorter than {MIN_TOKEN_LEN} characters",
                          hint="create a strong one with: dash-memd token --out FILE")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import hmac
 import json
+import re
 import time
 from typing import Any, ClassVar, Mapping
 
@@ -23,7 +22,6 @@ from dashrun.wire.protocol import (
     MAX_STEP,
     MAX_WORLD,
     field_bool,
-    field_digest,
     field_float,
     field_int,
     field_job,
@@ -35,6 +33,8 @@ __all__ = ["CLOUDS", "MAX_RDZV_STATE", "MAX_RDZV_WAIT", "MAX_STORE_JOB_BYTES", "
            "MAX_STORE_VALUE", "MAX_STORE_WAIT", "MEMBERSHIP_CHANGES", "CheckpointInfo", "JobSpec", "MembershipEvent",
            "Notice", "NoticeKind", "ShardHeader", "tiling_problem"]
 
+#: An Ed25519 signature as 128 lowercase hex digits.
+_SIGNATURE = re.compile(r"[0-9a-f]{128}")
 #: Largest rendezvous state (torch's pickled rendezvous state, opaque to dash-memd) of one run id.
 MAX_RDZV_STATE = 1 << 20
 #: Longest a rendezvous read waits in dash-memd for the state to change (a node polling for a change).
@@ -189,25 +189,27 @@ class JobSpec:
 
     ``argv`` is the dashrun command line without the node-specific options
     (``--memd``, ``--token-file``), and ``cwd`` the directory it ran in.
-    ``mac`` is HMAC-SHA256 under the cluster's token over the job id and every
-    other field (:meth:`signed`): whoever can write where dash-memd keeps specs
-    (its disk, the bucket) but does not hold the token cannot make a node run
-    a command of theirs, since ``resume`` runs only a spec that :meth:`verify`
-    accepts. A spec stored before specs were signed has no ``mac``.
+    ``signature`` is the operator's Ed25519 signature over the job id and every
+    other field (:meth:`signed`, :mod:`dashrun.wire.operator`): whoever can
+    write where dash-memd keeps specs (its disk, the bucket), or holds the
+    cluster's token or a job's credential, but not the operator's private key,
+    cannot make a node run a command of theirs, since ``resume`` runs only a
+    spec that :meth:`verify` accepts. A spec stored before specs were signed so
+    has none.
     """
 
     argv: tuple[str, ...]
     cwd: str
     host: str
     created: float
-    mac: str = ""
+    signature: str = ""
 
-    #: Names what the MAC is of, so that it can never pass for any other HMAC under the token.
-    MAC_PURPOSE: ClassVar[str] = "dashrun launch spec v1"
+    #: Names what is signed, so that a signature can never pass for one over anything else.
+    PURPOSE: ClassVar[str] = "dashrun launch spec v2"
 
     def to_body(self) -> dict[str, Any]:
         body = {"argv": list(self.argv), "cwd": self.cwd, "host": self.host, "created": self.created}
-        return {**body, "mac": self.mac} if self.mac else body
+        return {**body, "signature": self.signature} if self.signature else body
 
     @classmethod
     def from_body(cls, body: dict) -> JobSpec:
@@ -217,30 +219,34 @@ class JobSpec:
             raise ProtocolError(f"field 'argv' must be a list of at most {MAX_ARGS} strings")
         return cls(argv=tuple(argv), cwd=field_str(body, "cwd", 4096), host=field_str(body, "host", 255),
                    created=field_float(body, "created", 0.0, 1e11),
-                   mac=field_digest(body, "mac") if body.get("mac") is not None else "")
+                   signature=field_str(body, "signature", 128, _SIGNATURE) if body.get("signature") is not None
+                   else "")
 
-    def _mac(self, job: str, token: bytes) -> str:
+    def _message(self, job: str) -> bytes:
         # One JSON array of strings and a float: an unambiguous encoding, the same after any round trip
         # through the wire, a disk file or the bucket (a float's repr is exact).
-        message = json.dumps([self.MAC_PURPOSE, job, list(self.argv), self.cwd, self.host, float(self.created)],
-                             ensure_ascii=True, separators=(",", ":"), allow_nan=False)
-        return hmac.new(token, message.encode(), hashlib.sha256).hexdigest()
+        return json.dumps([self.PURPOSE, job, list(self.argv), self.cwd, self.host, float(self.created)],
+                          ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode()
 
-    def signed(self, job: str, token: bytes) -> JobSpec:
-        """This spec with its MAC for job ``job`` under the cluster's ``token``."""
-        return dataclasses.replace(self, mac=self._mac(job, token))
+    def signed(self, job: str, key) -> JobSpec:
+        """This spec with the signature for job ``job`` of the operator's private ``key`` (Ed25519)."""
+        return dataclasses.replace(self, signature=key.sign(self._message(job)).hex())
 
-    def verify(self, job: str, token: bytes) -> None:
-        """Raise AuthError unless the spec carries a valid MAC for job ``job`` under ``token``."""
-        if not self.mac:
-            raise AuthError(f"the launch spec of job {job!r} is not signed (stored by a dashrun older than signed "
-                            "specs, or by someone without the cluster's token)",
-                            hint="launch the job once more with dashrun (same --job-id) to store a signed spec")
-        if not hmac.compare_digest(self.mac, self._mac(job, token)):
-            raise AuthError(f"the launch spec of job {job!r} does not carry a valid MAC under this token: it was "
-                            "changed, or written by someone without the cluster's token",
-                            hint="check --token-file; if it is right, launch the job once more with dashrun "
-                                 "(same --job-id) to store a new spec")
+    def verify(self, job: str, public_key) -> None:
+        """Raise AuthError unless the spec carries a valid signature for job ``job`` by ``public_key``."""
+        from cryptography.exceptions import InvalidSignature
+
+        if not self.signature:
+            raise AuthError(f"the launch spec of job {job!r} is not signed by the operator (stored by a dashrun "
+                            "older than signed specs, or by someone without the operator's key)",
+                            hint="launch the job once more with dashrun --operator-key (same --job-id)")
+        try:
+            public_key.verify(bytes.fromhex(self.signature), self._message(job))
+        except InvalidSignature:
+            raise AuthError(f"the launch spec of job {job!r} does not carry a valid signature of the operator: "
+                            "it was changed, or signed with another key",
+                            hint="check --operator-pubkey; if it is right, launch the job once more with dashrun "
+                                 "--operator-key (same --job-id) to store a new spec") from None
 
 
 CLOUDS = ("aws", "gcp", "azure")

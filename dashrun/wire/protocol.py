@@ -50,7 +50,8 @@ MAGIC = b"DASH"
 #: 2: over TLS, the link goes on in sealed records after the login (:mod:`dashrun.wire.sealed`); a peer of
 #: version 1 would not, so the two refuse each other at the first frame.
 #: 3: with --no-tls too, the link goes on in signed records after the login; a peer of version 2 would not.
-VERSION = 3
+#: 4: the login names the job a credential is for and the daemon it is with; a peer of version 3 would not.
+VERSION = 4
 HEADER = struct.Struct("!4sBBHIQI")
 TRAILER = struct.Struct("!I")
 

@@ -1,0 +1,46 @@
+"""What a logged-in connection may ask of dash-memd: all of it with the cluster's token, one job's with a job's.
+
+A connection that logged in with a job's credential (:mod:`dashrun.wire.auth`)
+is bound to that job. Every request names the job it is about in its ``job``
+field (a shard's header too); one that names another is refused before its
+handler runs, so no handler can forget the check. ``LIST`` with a job's
+credential lists that job alone. What only the operator may do — store a launch
+spec (``dashrun resume`` runs it as root), delete a whole job — needs the
+cluster's token: a rank that a data loader's dependency took over can read and
+write its own job's checkpoints, which it could anyway, and nothing else.
+"""
+
+from __future__ import annotations
+
+from dashrun.errors import ForbiddenError
+from dashrun.wire.channel import Frame
+from dashrun.wire.protocol import Kind, field_int, field_job
+
+__all__ = ["OPERATOR_ONLY", "authorize"]
+
+#: Requests only the cluster's token may make (a DELETE of the whole job too: see :func:`authorize`).
+OPERATOR_ONLY = frozenset({Kind.PUT_SPEC})
+#: Requests about no job.
+_UNSCOPED = frozenset({Kind.PING})
+
+
+def authorize(job: str | None, frame: Frame) -> None:
+    """Refuse (ForbiddenError) a request the connection's credential does not cover; ``job`` is the job the
+    connection is bound to (None: the cluster's token). A job-bound ``LIST`` is narrowed to the job."""
+    if job is None or frame.kind in _UNSCOPED:
+        return
+    kind = frame.kind
+    if kind in OPERATOR_ONLY:
+        raise ForbiddenError(f"{kind.name} needs the cluster's token; this connection holds the credential of "
+                             f"job {job} only", hint="run it where the operator's token is")
+    if kind == Kind.LIST:
+        frame.body.pop("after", None)
+        frame.body["job"] = job
+        return
+    asked = field_job(frame.body)
+    if asked != job:
+        raise ForbiddenError(f"this connection holds the credential of job {job}, not of {asked}",
+                             hint="each job's nodes get that job's credential only")
+    if kind == Kind.DELETE and field_int(frame.body, "keep", 0, 1 << 20) == 0:
+        raise ForbiddenError(f"deleting all of job {job} needs the cluster's token, not the job's credential",
+                             hint="run dashrun rm (or --fresh) where the operator's token is")

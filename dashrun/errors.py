@@ -12,7 +12,7 @@ import enum
 
 __all__ = ["AuthError", "BusyError", "ChecksumError", "ConflictError", "DashError", "ErrorCode", "ExitCode",
            "ForbiddenError", "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RemoteError",
-           "RestoreMismatchError", "UnavailableError", "UsageError"]
+           "RestoreMismatchError", "SignatureError", "UnavailableError", "UsageError"]
 
 
 class ExitCode(enum.IntEnum):
@@ -104,6 +104,12 @@ class ChecksumError(DashError):
     """Bytes arrived or were read back with a checksum that does not match."""
 
     code = ErrorCode.CHECKSUM
+
+
+class SignatureError(ChecksumError):
+    """A manifest from the bucket carries no valid MAC under the cluster's key (planted, edited, unsigned), or
+    a shard does not match the digest its signed manifest gives. A ChecksumError: a copy that is not to be
+    trusted, whose readers take the checkpoint before it."""
 
 
 class NotFoundError(DashError):

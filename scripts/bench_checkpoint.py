@@ -337,6 +337,7 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
     import torch
 
     from dashrun.memd.tiers.object import ObjectTier
+    from dashrun.memd.tiers.signing import manifest_key
     from dashrun.wire.messages import CheckpointInfo, ShardHeader
     from dashrun.wire.protocol import crc32c
 
@@ -362,7 +363,7 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
                                                            "-p", str(port)], core), ready=answers,
                                   log=scratch / "moto.log")
         client.create_bucket(Bucket="bench")
-        tier = ObjectTier("s3://bench/ckpt")
+        tier = ObjectTier("s3://bench/ckpt", key=manifest_key(os.urandom(32)))  # signed as dash-memd signs
         src = torch.empty(nbytes, dtype=torch.uint8).fill_(5)
         dst = torch.empty(nbytes, dtype=torch.uint8)
         view, target = memoryview(src.numpy()).cast("B"), memoryview(dst.numpy()).cast("B")

@@ -27,9 +27,13 @@ import pytest
 from botocore.config import Config
 from conftest import wait_for
 
+from dashrun.memd.tiers.signing import manifest_key
+
 ACCESS_KEY = "testing-access-key"
 SECRET_KEY = "testing-secret-key"
 REGION = "us-east-1"
+#: The manifest key of the tests that make an ObjectTier themselves (a dash-memd derives its own from its token).
+KEY = manifest_key(b"the token of the tests that make an ObjectTier themselves")
 
 
 def free_port() -> int:

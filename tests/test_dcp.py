@@ -190,6 +190,38 @@ def test_an_export_never_runs_what_a_pickled_value_in_the_checkpoint_says(memd, 
     assert not marker.exists()
 
 
+def test_a_pickled_value_dash_memd_serves_never_runs_whatever_planner_dcp_uses(memd, tmp_path):
+    """dcp.load with no planner gets DCP's DefaultLoadPlanner, whose load_bytes is torch.load(weights_only=False):
+    the Reader alone must keep what dash-memd serves (from its disk, its bucket) from running."""
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.ones(3), "planted": _Planted(marker), "epoch": 4}, checkpoint_id=1,
+             storage_writer=_writer(memd, "dcp-served"), no_dist=True)
+    marker.unlink(missing_ok=True)
+    for planner in (None, ddcp.SafeLoadPlanner(), ddcp.SafeLoadPlanner(allow_pickle=True)):
+        state = {"w": torch.zeros(3), "planted": None, "epoch": 0}
+        with pytest.raises(CheckpointException) as caught:
+            dcp.load(state, checkpoint_id=1, storage_reader=_reader(memd, "dcp-served"), planner=planner, no_dist=True)
+        refused = [failure[0] for failure in caught.value.failures.values()]
+        assert [type(e) for e in refused] == [ddcp.PickleRefused], refused
+        assert "'planted'" in str(refused[0]) and "allow_pickle=True" in refused[0].hint and "\n" not in str(refused[0])
+        assert not marker.exists()
+    # A planner that refuses does so with a reader that allows: a full unpickling needs both to opt in.
+    with pytest.raises(CheckpointException, match="not plain data"):
+        dcp.load({"planted": None}, checkpoint_id=1, storage_reader=_reader(memd, "dcp-served", allow_pickle=True),
+                 planner=ddcp.SafeLoadPlanner(), no_dist=True)
+    assert not marker.exists()
+
+    # Plain values still load through DCP's default planner and the safe one alike.
+    for planner in (None, ddcp.SafeLoadPlanner()):
+        state = {"w": torch.zeros(3), "epoch": 0}
+        dcp.load(state, checkpoint_id=1, storage_reader=_reader(memd, "dcp-served"), planner=planner, no_dist=True)
+        assert state["epoch"] == 4 and torch.equal(state["w"], torch.ones(3))
+    # The opt-in is DCP's own behaviour: the pickle runs (so the refusals above did stop a payload that works).
+    state = {"planted": None}
+    dcp.load(state, checkpoint_id=1, storage_reader=_reader(memd, "dcp-served", allow_pickle=True), no_dist=True)
+    assert marker.exists()
+
+
 def test_reads_only_the_bytes_it_needs(memd):
     big = torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)  # 1 MiB
     other = torch.ones(256 * 1024)

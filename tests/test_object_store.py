@@ -6,14 +6,16 @@ process tests run dash-memd with ``--s3`` and real training jobs.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, wait_for
+from conftest import REFERENCE_STEPS, TRAIN, Memd, dashrun_cmd, wait_for
 from runs import assert_identical, starts
 from test_catalogue import deliver, headers
 
@@ -21,11 +23,17 @@ from dashrun.errors import ChecksumError, UnavailableError
 from dashrun.memd.catalogue import Catalogue, State
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.memd.tiers.object import ObjectTier
+from dashrun.memd.tiers.signing import manifest_key
 from dashrun.memd.tombstones import TOMBSTONES
+from dashrun.util.tokens import write_token
 from dashrun.wire.messages import JobSpec
 from dashrun.wire.protocol import crc32c
+from dashrun.wire.tls import TlsSettings
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
+
+#: The manifest key of the catalogues these tests make (a dash-memd derives its own from its token).
+KEY = manifest_key(b"test_object_store")
 
 
 def checkpoint(cat: Catalogue, step: int, job: str = "j") -> list[bytes]:
@@ -46,7 +54,7 @@ def drain(cat: Catalogue, timeout: float = 60) -> None:
 def make_catalogue(tmp_path, url: str, name: str = "data", **kwargs) -> Catalogue:
     cat = Catalogue(RamTier(8 << 20), DiskTier(tmp_path / name), keep_ram=1, keep_disk=2,
                     objects=ObjectTier(url, attempts=2, backoff=0.1, request_attempts=2, connect_timeout=2,
-                                       read_timeout=5), **kwargs)
+                                       read_timeout=5, key=KEY), **kwargs)
     cat.load_disk()
     return cat
 
@@ -112,6 +120,29 @@ def test_an_empty_data_dir_restores_from_the_bucket_and_a_corrupt_object_gives_w
     assert read(reborn, "j", 10, 0) == payloads[10][0]
 
 
+def test_a_manifest_from_before_signed_manifests_is_refused_and_the_disk_copy_goes_up_again_signed(s3_bucket,
+                                                                                                     tmp_path):
+    first = make_catalogue(tmp_path, s3_bucket.url())
+    drain(first)
+    payloads = checkpoint(first, 6)
+    drain(first)
+    key = next(k for k in s3_bucket.keys() if k.endswith("/0000000000000006/MANIFEST.json"))
+    manifest = json.loads(s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+    del manifest["mac"], manifest["sha256"]  # as a dashrun before signed manifests wrote it
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=json.dumps(manifest).encode())
+
+    bare = make_catalogue(tmp_path, s3_bucket.url(), name="empty")  # only the bucket: nothing to take
+    drain(bare)
+    assert bare.latest("j") is None
+    again = make_catalogue(tmp_path, s3_bucket.url())  # its disk holds the step: it goes up again, signed
+    drain(again)
+    assert again.jobs()[0]["checkpoints"][-1]["tiers"] == ["disk", "object"]
+    assert "mac" in json.loads(s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+    taken = make_catalogue(tmp_path, s3_bucket.url(), name="empty-again")
+    drain(taken)
+    assert taken.latest("j").step == 6 and read(taken, "j", 6, 1) == payloads[1]
+
+
 def test_a_shard_only_the_bucket_holds_is_downloaded_once_for_every_range_and_stream(s3_bucket, tmp_path):
     """A restore reads a shard in many ranges over several streams; the bucket is the only copy, and RAM has
     room for two shards, not one per stream."""
@@ -121,7 +152,7 @@ def test_a_shard_only_the_bucket_holds_is_downloaded_once_for_every_range_and_st
     payloads = [deliver(first, header)[1] for header in shards]
     assert first.persist_next(timeout=5)
     drain(first)
-    reborn = Catalogue(RamTier(5 << 20), DiskTier(tmp_path / "empty"), objects=ObjectTier(s3_bucket.url()))
+    reborn = Catalogue(RamTier(5 << 20), DiskTier(tmp_path / "empty"), objects=ObjectTier(s3_bucket.url(), key=KEY))
     drain(reborn)
     downloads = []
     real_read = reborn.objects.read_into
@@ -330,6 +361,74 @@ def test_a_corrupt_newest_checkpoint_in_the_bucket_resumes_from_the_one_before(m
     assert starts(out) == [0, 5]  # step 9 failed its checksum: resumed after step 4
     assert_identical(reference, out)
     assert "fails its checksum" in reborn.log()
+
+
+class Planted:
+    """A value whose unpickling would create a file: what someone with write access to the bucket would plant."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_planted_or_edited_in_the_bucket_is_refused_at_adoption_and_never_unpickled(
+        memd_factory, s3_bucket, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dashrun import dcp as ddcp
+
+    def writer(memd):
+        return ddcp.Writer("dcp-s3", memd.address, memd.token_file, tls=TlsSettings(plaintext=bool(memd.tls_args)))
+
+    url, marker = s3_bucket.url(), tmp_path / "ran"
+    memd = memd_factory("--memory-limit", "64MiB", "--s3", url)
+    for step in (1, 3):
+        dcp.save({"w": torch.full((4,), float(step)), "epoch": step}, checkpoint_id=step, storage_writer=writer(memd),
+                 no_dist=True)
+        wait_for(lambda: step in steps_in_bucket(s3_bucket, "dcp-s3"), 60, f"step {step} in the bucket")
+    memd.stop()
+    # Someone who can write into the bucket but does not hold the token: a dash-memd of theirs, their own token.
+    write_token(tmp_path / "planter-token")
+    planter = Memd(tmp_path / "planter-data", tmp_path / "planter-token", "--memory-limit", "64MiB", "--s3", url,
+                   log_path=tmp_path / "planter.log")
+    try:
+        planter.start()
+        dcp.save({"w": torch.zeros(4), "epoch": Planted(marker)}, checkpoint_id=5, storage_writer=writer(planter),
+                 no_dist=True)
+        wait_for(lambda: 5 in steps_in_bucket(s3_bucket, "dcp-s3"), 60, "the planted step 5 in the bucket")
+    finally:
+        planter.stop()
+    marker.unlink(missing_ok=True)  # (pickling it ran nothing; this is the bucket before the adoption)
+    # And step 3's manifest edited in place: its commit time, say, so that it would outlive a deletion.
+    key = next(k for k in s3_bucket.keys() if k.endswith("/dcp-s3/0000000000000003/MANIFEST.json"))
+    manifest = json.loads(s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+    manifest["checkpoint"]["committed_at"] += 1e6
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=json.dumps(manifest).encode())
+
+    reborn = memd_factory("--memory-limit", "64MiB", "--s3", url)  # its data dir empty: the bucket is all there is
+    with reborn.client() as client:
+        def listed():
+            try:
+                return client.latest("dcp-s3")
+            except UnavailableError:  # not listed the bucket yet
+                return None
+        assert wait_for(listed, 60, "the bucket's listing").step == 1
+        assert client.latest("dcp-s3", 3) is None and client.latest("dcp-s3", 5) is None
+    state = {"w": torch.zeros(4), "epoch": None}
+    reader = ddcp.Reader("dcp-s3", memd=reborn.address, token_file=reborn.token_file, allow_pickle=True,
+                         tls=TlsSettings(plaintext=bool(reborn.tls_args)))
+    dcp.load(state, storage_reader=reader, no_dist=True)  # the newest it took: even a full unpickling is safe
+    reader.close()
+    assert state["epoch"] == 1 and torch.equal(state["w"], torch.ones(4))
+    assert not marker.exists()
+    log = reborn.log()
+    refusals = [line for line in log.splitlines() if " ERROR " in line and "refused s3://" in line]
+    assert len(refusals) == 2, log[-3000:]
+    assert any("0000000000000005/MANIFEST.json does not carry a valid MAC" in line for line in refusals)
+    assert any("0000000000000003/MANIFEST.json does not carry a valid MAC" in line for line in refusals)
 
 
 def test_memd_refuses_a_bad_bucket_url(tmp_path, token_file):

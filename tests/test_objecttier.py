@@ -6,6 +6,9 @@ caught on read, and the bucket layout another process can read.
 """
 
 import base64
+import functools
+import hashlib
+import hmac
 import io
 import json
 import socket
@@ -19,13 +22,15 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import wait_for
 
 pytest.register_assert_rewrite("s3server")  # before the import below, so its asserts report well
-from s3server import S3Server, make_bucket, use_endpoint
+from s3server import KEY, S3Server, make_bucket, use_endpoint
 from test_tiers import make_checkpoint
 
-from dashrun.errors import ChecksumError, NotFoundError, UnavailableError, UsageError
+from dashrun.errors import ChecksumError, NotFoundError, SignatureError, UnavailableError, UsageError
 from dashrun.memd.tiers import DiskTier
 from dashrun.memd.tiers.object import ObjectTier
+from dashrun.memd.tiers.signing import manifest_key
 from dashrun.wire.messages import JobSpec
+from dashrun.wire.protocol import crc32c
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 
@@ -84,7 +89,7 @@ def big_checkpoint(step=10, world=1, shard=12 * MiB):
 
 
 def test_a_large_shard_goes_up_in_parallel_parts_verified_and_comes_back_whole(s3_bucket):
-    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB, workers=4)
+    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB, workers=4, key=KEY)
     together = threading.Barrier(2, timeout=20)  # parts 1 and 2 of a shard must be in flight at once
     sizes: dict[tuple[str, int], int] = {}
 
@@ -124,7 +129,7 @@ def test_a_large_shard_goes_up_in_parallel_parts_verified_and_comes_back_whole(s
 
 
 def test_a_failure_mid_upload_commits_nothing_and_leaves_no_upload_behind(s3_bucket):
-    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB, workers=3, attempts=1)
+    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB, workers=3, attempts=1, key=KEY)
     old, old_data = make_checkpoint(step=1)
     tier.put(old, views(old_data))
 
@@ -150,7 +155,8 @@ def test_a_failure_mid_upload_commits_nothing_and_leaves_no_upload_behind(s3_buc
 
 
 def test_a_transient_failure_restarts_the_whole_shard(s3_bucket):
-    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB, workers=3, attempts=3, backoff=0.05)
+    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB, workers=3, attempts=3, backoff=0.05,
+                      key=KEY)
     failed = []
 
     def before(name, kwargs):
@@ -177,7 +183,7 @@ def test_the_server_going_away_mid_upload_and_coming_back(tmp_path, monkeypatch)
         use_endpoint(monkeypatch, server.endpoint, tmp_path)
         bucket = make_bucket(server)
         tier = ObjectTier(bucket.url(), part_size=5 * MiB, threshold=5 * MiB, workers=3, attempts=5, backoff=0.1,
-                          request_attempts=2, connect_timeout=2, read_timeout=10)
+                          request_attempts=2, connect_timeout=2, read_timeout=10, key=KEY)
         in_part_2, stopped, restarted = threading.Event(), threading.Event(), threading.Event()
 
         def before(name, kwargs):
@@ -194,13 +200,14 @@ def test_the_server_going_away_mid_upload_and_coming_back(tmp_path, monkeypatch)
         uploader.start()
         try:
             wait_for(in_part_2.is_set, 30, "the upload to reach part 2")
-            assert ObjectTier(bucket.url()).scan() == [] and len(bucket.uploads()) == 1  # under way, not visible
+            # under way, not visible
+            assert ObjectTier(bucket.url(), key=KEY).scan() == [] and len(bucket.uploads()) == 1
             server.stop()
             stopped.set()
             wait_for(lambda: client.failures, 60, "the upload to fail against the stopped server")
             server.start()  # same port, empty
             make_bucket(server, bucket.name)
-            fresh = ObjectTier(bucket.url())
+            fresh = ObjectTier(bucket.url(), key=KEY)
             assert fresh.scan() == []  # nothing partial is visible as committed
         finally:
             restarted.set()
@@ -226,7 +233,7 @@ def _catch(errors, fn, *args):
 
 @pytest.mark.parametrize("shard", [3000, 12 * MiB], ids=["single-get", "ranged-gets"])
 def test_a_corrupted_or_truncated_object_is_caught_on_read(s3_bucket, shard):
-    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB)
+    tier = ObjectTier(s3_bucket.url(), part_size=5 * MiB, threshold=5 * MiB, key=KEY)
     info, data = make_checkpoint(world=2, rep_total=2 * shard)
     tier.put(info, views(data))
     key = tier.shard_key(info.job, info.step, 1)
@@ -252,7 +259,7 @@ def test_a_corrupted_or_truncated_object_is_caught_on_read(s3_bucket, shard):
 
 def test_another_process_reads_the_same_checkpoints_and_specs(s3_bucket):
     url = s3_bucket.url("shared/run")
-    tier = ObjectTier(url)
+    tier = ObjectTier(url, key=KEY)
     for job, step in (("job-a", 1), ("job-a", 2), ("job-b", 7)):
         info, data = make_checkpoint(job=job, step=step)
         tier.put(info, views(data))
@@ -263,25 +270,25 @@ def test_another_process_reads_the_same_checkpoints_and_specs(s3_bucket):
     code = ("import json, sys\n"
             "from dashrun.memd.tiers.object import ObjectTier\n"
             "from dashrun.wire.protocol import crc32c\n"
-            "tier = ObjectTier(sys.argv[1])\n"
+            "tier = ObjectTier(sys.argv[1], key=bytes.fromhex(sys.argv[2]))\n"
             "with tier.open('job-b', 7, 1) as view:\n"
             "    crc = crc32c(view)\n"
             "print(json.dumps({'checkpoints': sorted([i.job, i.step] for i in tier.scan()),\n"
             "                  'specs': {j: s.to_body() for j, s in tier.specs().items()}, 'crc': crc}))\n")
-    out = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code, url, KEY.hex()], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
     assert seen == {"checkpoints": [["job-a", 1], ["job-a", 2], ["job-b", 7]],
                     "specs": {"job-a": spec.to_body()}, "crc": expected_crc}
 
-    other = ObjectTier(s3_bucket.url("shared/other"))  # another prefix is another store
+    other = ObjectTier(s3_bucket.url("shared/other"), key=KEY)  # another prefix is another store
     assert other.scan() == [] and other.specs() == {}
     tier.delete_spec("job-a")
-    assert ObjectTier(url).specs() == {}
+    assert ObjectTier(url, key=KEY).specs() == {}
 
 
 def test_the_layout_is_exactly_as_documented(s3_bucket, tmp_path):
-    tier = ObjectTier(s3_bucket.url("team/run-7/"))
+    tier = ObjectTier(s3_bucket.url("team/run-7/"), key=KEY)
     info, data = make_checkpoint(job="job-a", step=12, world=2)
     tier.put(info, views(data))
     spec = JobSpec(("train.py",), "/work", "node-1", 1.7e9)
@@ -293,24 +300,29 @@ def test_the_layout_is_exactly_as_documented(s3_bucket, tmp_path):
     def get(key):
         return s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)
 
-    manifest = get(f"{base}/0000000000000012/MANIFEST.json")["Body"].read()
-    assert json.loads(manifest) == {"format": "dashrun-checkpoint", "version": 1, "checkpoint": info.to_body()}
-    disk = DiskTier(tmp_path / "disk")  # byte for byte the disk tier's manifest
+    manifest = json.loads(get(f"{base}/0000000000000012/MANIFEST.json")["Body"].read())
+    mac = manifest.pop("mac")
+    assert manifest == {"format": "dashrun-checkpoint", "version": 1, "checkpoint": info.to_body(),
+                        "sha256": [hashlib.sha256(d).hexdigest() for d in data]}
+    assert mac == hmac.new(KEY, json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode(),
+                           hashlib.sha256).hexdigest()
+    disk = DiskTier(tmp_path / "disk")  # the disk tier's manifest, signed
     disk.put(info, views(data))
-    assert (disk.step_dir("job-a", 12) / "MANIFEST.json").read_bytes() == manifest
+    del manifest["sha256"]
+    assert json.loads((disk.step_dir("job-a", 12) / "MANIFEST.json").read_bytes()) == manifest
     shard = get(f"{base}/0000000000000012/rank-00001.bin")
     assert shard["Body"].read() == data[1]
     assert shard["Metadata"] == {"dashrun-crc32c": f"{info.shards[1].crc:08x}"}
     assert json.loads(get(f"{base}/SPEC.json")["Body"].read()) == spec.to_body()
 
-    at_root = ObjectTier(f"s3://{s3_bucket.name}")
+    at_root = ObjectTier(f"s3://{s3_bucket.name}", key=KEY)
     assert at_root.root == "dashrun-v1" and at_root.scan() == []
     at_root.put(info, views(data))
     assert "dashrun-v1/jobs/job-a/0000000000000012/MANIFEST.json" in s3_bucket.keys()
 
 
 def test_delete_withdraws_the_manifest_before_the_shards(s3_bucket):
-    tier = ObjectTier(s3_bucket.url())
+    tier = ObjectTier(s3_bucket.url(), key=KEY)
     info, data = make_checkpoint()
     tier.put(info, views(data))
     tier.client = client = Scripted(tier.client)
@@ -322,7 +334,7 @@ def test_delete_withdraws_the_manifest_before_the_shards(s3_bucket):
 
 
 def test_scan_report_names_what_it_skips_and_changes_nothing(s3_bucket):
-    tier = ObjectTier(s3_bucket.url())
+    tier = ObjectTier(s3_bucket.url(), key=KEY)
     for step in range(1, 6):
         info, data = make_checkpoint(step=step)
         tier.put(info, views(data))
@@ -336,7 +348,7 @@ def test_scan_report_names_what_it_skips_and_changes_nothing(s3_bucket):
     client.create_multipart_upload(Bucket=bucket, Key=pending)
     before = s3_bucket.keys()
 
-    found, problems = ObjectTier(s3_bucket.url()).scan_report()
+    found, problems = ObjectTier(s3_bucket.url(), key=KEY).scan_report()
     assert [i.step for i in found] == [1]
     text = "\n".join(problems)
     assert "0000000000000002/: incomplete (MANIFEST.json missing)" in text
@@ -358,7 +370,7 @@ def test_a_store_that_never_answers_fails_the_call_instead_of_hanging(monkeypatc
         silent.listen(64)
         use_endpoint(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}", tmp_path)
         tier = ObjectTier("s3://dash-nowhere/x", attempts=2, backoff=0.05, request_attempts=1,
-                          connect_timeout=0.5, read_timeout=0.5)
+                          connect_timeout=0.5, read_timeout=0.5, key=KEY)
         info, data = make_checkpoint()
         started = time.monotonic()
         with pytest.raises(UnavailableError, match="dash-nowhere"):
@@ -372,7 +384,7 @@ def test_a_store_that_never_answers_fails_the_call_instead_of_hanging(monkeypatc
 
 
 def test_bytes_that_do_not_match_their_crc_are_refused_before_upload(s3_bucket):
-    tier = ObjectTier(s3_bucket.url())
+    tier = ObjectTier(s3_bucket.url(), key=KEY)
     info, data = make_checkpoint()
     data[1] = bytes([data[1][0] ^ 1]) + data[1][1:]
     with pytest.raises(ChecksumError, match="rank 1"):
@@ -383,4 +395,81 @@ def test_bytes_that_do_not_match_their_crc_are_refused_before_upload(s3_bucket):
 def test_a_bad_url_is_a_usage_error():
     for url in ("bucket/prefix", "s3://", "s3:///prefix"):
         with pytest.raises(UsageError):
-            ObjectTier(url)
+            ObjectTier(url, key=KEY)
+
+
+def _manifest(s3_bucket, tier, job, step) -> tuple[str, dict]:
+    key = f"{tier.step_key(job, step)}/MANIFEST.json"
+    return key, json.loads(s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+
+
+def test_a_manifest_edited_unsigned_or_signed_under_another_key_is_refused(s3_bucket):
+    """What the bucket says about a checkpoint counts only under the cluster's key, which the bucket does not hold."""
+    tier = ObjectTier(s3_bucket.url(), key=KEY)
+    for step in (1, 2, 3, 4):
+        info, data = make_checkpoint(step=step)
+        tier.put(info, views(data))
+    put = functools.partial(s3_bucket.client.put_object, Bucket=s3_bucket.name)
+    key, edited = _manifest(s3_bucket, tier, "job-a", 2)
+    edited["checkpoint"]["shards"][1]["crc"] ^= 1  # with its shard's bytes changed to match, say
+    put(Key=key, Body=json.dumps(edited).encode())
+    key, old = _manifest(s3_bucket, tier, "job-a", 3)
+    del old["mac"], old["sha256"]  # as a dashrun before signed manifests wrote it
+    put(Key=key, Body=json.dumps(old).encode())
+    planted, planted_data = make_checkpoint(step=4)  # by someone with write access to the bucket, not the token
+    ObjectTier(s3_bucket.url(), key=manifest_key(b"not this cluster's token")).put(planted, views(planted_data))
+
+    fresh = ObjectTier(s3_bucket.url(), key=KEY)
+    found, problems = fresh.scan_report()
+    assert [i.step for i in found] == [1]
+    assert len(problems) == 3 and all(p.startswith("refused ") for p in problems), problems
+    text = "\n".join(problems)
+    assert "0000000000000002/MANIFEST.json does not carry a valid MAC" in text
+    assert "0000000000000003/MANIFEST.json is not signed" in text and "hint:" in text
+    assert "0000000000000004/MANIFEST.json does not carry a valid MAC" in text
+    for step in (2, 3, 4):
+        with pytest.raises(SignatureError):
+            fresh.read_manifest("job-a", step)
+        with pytest.raises(SignatureError), fresh.open("job-a", step, 0):
+            pass
+    assert fresh.read_manifest("job-a", 2, signed=False).step == 2  # to delete by, nothing more
+    # A signed manifest copied to another step's key is not that step's.
+    put(Key=f"{tier.step_key('job-a', 5)}/MANIFEST.json", Body=json.dumps(_manifest(s3_bucket, tier, "job-a", 1)[1]))
+    with pytest.raises(ChecksumError, match="describes another checkpoint"):
+        fresh.read_manifest("job-a", 5)
+
+
+def _same_crc32c(data: bytes) -> bytes:
+    """Other bytes of the same length and CRC-32C as ``data``: CRC is linear, so no secret is needed to forge it."""
+    zero = crc32c(bytes(len(data)))
+    columns = []  # (the CRC change of flipping bit i, the set of bits flipped), reduced to a basis
+    for bit in range(33):  # 33 vectors in a 32-dimensional space: some of them add up to nothing
+        flipped = bytearray(len(data))
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        change, bits = crc32c(bytes(flipped)) ^ zero, {bit}
+        for basis_change, basis_bits in columns:
+            if change ^ basis_change < change:
+                change, bits = change ^ basis_change, bits ^ basis_bits
+        if change == 0:
+            forged = bytearray(data)
+            for b in bits:
+                forged[b // 8] ^= 1 << (b % 8)
+            assert forged != data and crc32c(bytes(forged)) == crc32c(data)
+            return bytes(forged)
+        columns.append((change, bits))
+        columns.sort(reverse=True)
+    raise AssertionError("unreachable: 33 vectors in 32 dimensions are dependent")
+
+
+def test_a_shard_edited_in_the_bucket_to_the_same_crc_is_refused_when_read(s3_bucket):
+    tier = ObjectTier(s3_bucket.url(), key=KEY)
+    info, data = make_checkpoint(step=7)
+    tier.put(info, views(data))
+    forged = _same_crc32c(data[1])
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=tier.shard_key("job-a", 7, 1), Body=forged)
+    for reader in (tier, ObjectTier(s3_bucket.url(), key=KEY)):  # digests it remembers, and read from the manifest
+        (listed,) = reader.scan()  # the size and the signed CRC both check out: only the digest tells
+        with pytest.raises(SignatureError, match="SHA-256 of its signed manifest"):
+            reader.read_into("job-a", 7, 1, memoryview(bytearray(len(forged))), shard=listed.shards[1])
+        with reader.open("job-a", 7, 0) as view:
+            assert bytes(view) == data[0]

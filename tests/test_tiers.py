@@ -17,11 +17,14 @@ from dashrun.errors import ChecksumError, NotFoundError
 from dashrun.memd.tiers import DiskTier, RamTier
 from dashrun.memd.tiers import disk as disk_tier
 from dashrun.memd.tiers.object import ObjectTier
+from dashrun.memd.tiers.signing import manifest_key
 from dashrun.util.files import write_new
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
+
+KEY = manifest_key(b"test_tiers")  # the object tier's manifest key (a dash-memd derives its own from its token)
 
 LAYOUT = "cd" * 32
 
@@ -385,6 +388,6 @@ class TestObjectTier(TierConformance):
 
     @pytest.fixture
     def tier(self, s3_bucket):
-        tier = ObjectTier(s3_bucket.url("ckpt"))
+        tier = ObjectTier(s3_bucket.url("ckpt"), key=KEY)
         yield tier
         tier.close()

@@ -25,7 +25,12 @@ metadata, from ``finish``: ``dcp.save`` returns once the step is committed.
 committed step and reads each item as byte ranges of the shard that holds it:
 only the bytes of the slices this rank's planner asks for, never the whole
 checkpoint. Every offset and length read from a description is checked against
-the shard's announced sizes before it is used.
+the shard's announced sizes before it is used. A value DCP pickled (anything
+not a tensor) is loaded as ``torch.load(weights_only=True)`` does, with any
+planner, DCP's default too: bytes dash-memd serves may come from its bucket,
+and never run code on a rank. :class:`SafeLoadPlanner` is DCP's default
+planner doing the same; ``allow_pickle=True`` (of the Reader, and of the
+planner if it is used) is the opt-in to a full unpickling.
 
 Transport: :class:`Writer` hands its shard to the node's dash-agent through a
 shared-memory segment when it runs under dashrun (``DASH_AGENT_SOCKET``), and
@@ -41,14 +46,16 @@ pickles the writer into its checkpointing process.
 
 The package: :mod:`~dashrun.dcp.target` (job, step, the way to dash-memd),
 :mod:`~dashrun.dcp.metadata` (DCP's Metadata as bounded JSON),
-:mod:`~dashrun.dcp.writer` and :mod:`~dashrun.dcp.reader`.
+:mod:`~dashrun.dcp.writer`, :mod:`~dashrun.dcp.reader` and :mod:`~dashrun.dcp.planner` (weights-only
+loading of what DCP pickled).
 """
 
 from __future__ import annotations
 
 from dashrun.dcp.metadata import FORMAT
+from dashrun.dcp.planner import PickleRefused, SafeLoadPlanner
 from dashrun.dcp.reader import Reader, describe_dcp, full_state
 from dashrun.dcp.target import step_of
 from dashrun.dcp.writer import Writer
 
-__all__ = ["FORMAT", "Reader", "Writer", "describe_dcp", "full_state", "step_of"]
+__all__ = ["FORMAT", "PickleRefused", "Reader", "SafeLoadPlanner", "Writer", "describe_dcp", "full_state", "step_of"]

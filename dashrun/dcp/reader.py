@@ -9,6 +9,9 @@ gaps read rather than skipped), never the whole checkpoint; under dashrun on a
 node of several ranks the node's dash-agent reads them (one fetch for the
 node), elsewhere this process, each through the restore's source planner
 (:mod:`dashrun.wire.planner`).
+A value DCP pickled (``BYTE_IO``) is loaded as ``torch.load(weights_only=True)``
+does, whatever planner DCP uses (:mod:`dashrun.dcp.planner`), unless the
+reader was built with ``allow_pickle=True``.
 :func:`describe_dcp` tells a checkpoint :class:`dashrun.dcp.Writer` wrote from
 any other, and :func:`full_state` loads the whole of one in this process, as
 ``dashrun export`` writes it.
@@ -21,7 +24,6 @@ import io
 import math
 import mmap
 import os
-import pickle
 import uuid
 from typing import Any, Iterator, Sequence
 
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dashrun.dcp.metadata import FORMAT, MAX_META_DEPTH, Where, parse_metadata
+from dashrun.dcp.planner import PickleRefused, SafeLoadPlanner, load_weights_only
 from dashrun.dcp.target import Connected, Target, step_of
 from dashrun.errors import NotFoundError, ProtocolError, UsageError
 from dashrun.rank.sharded import byte_runs, joined
@@ -59,14 +62,30 @@ class Reader(Connected, StorageReader):
     another save may commit meanwhile). The job and dash-memd are found as
     :class:`~dashrun.dcp.Writer` finds them; ``client=`` reuses an open connection (not
     closed by the reader). ``bytes_read`` counts the item bytes it fetched.
+
+    Values DCP pickled (``BYTE_IO``: whatever is not a tensor) are never
+    fully unpickled unless ``allow_pickle=True``: the bytes dash-memd serves
+    may have come from its disk or its bucket, where someone without the
+    cluster's token may have written. With any planner, DCP's default one
+    too, the reader loads each such value as ``torch.load(weights_only=True)``
+    does and hands the planner that (saved again, so the planner's own
+    ``torch.load`` rebuilds only what the weights-only load allowed); a value
+    that needs more is refused with
+    :class:`~dashrun.dcp.planner.PickleRefused` (DCP raises it in its
+    ``CheckpointException``), and nothing it names runs. A
+    :class:`~dashrun.dcp.SafeLoadPlanner` loads them weights-only itself, so
+    the reader leaves them to it. ``allow_pickle=True`` hands the planner the
+    bytes as they are (DCP's default planner then unpickles them fully): only
+    where dash-memd and its bucket are trusted.
     """
 
     _UNPICKLED = ("_client", "_image")
 
     def __init__(self, job: str | None = None, step: int | None = None, memd: str | tuple[str, int] | None = None,
                  token_file: str | os.PathLike | None = None, *, tls: TlsSettings | None = None,
-                 client: MemdClient | None = None):
+                 client: MemdClient | None = None, allow_pickle: bool = False):
         super().__init__()
+        self.allow_pickle = allow_pickle
         if client is not None:
             memd = (client.host, client.port)
             token_file = token_file or "-"  # the client holds the token already
@@ -187,7 +206,7 @@ class Reader(Connected, StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 data = bytearray(where.length)
                 self._read(where, 0, memoryview(data))
-                planner.load_bytes(item, io.BytesIO(data))
+                planner.load_bytes(item, self._vetted(io.BytesIO(data), item, planner))
                 continue
             md = self.metadata.state_dict_metadata[item.storage_index.fqn]
             target = planner.resolve_tensor(item).detach()
@@ -199,6 +218,17 @@ class Reader(Connected, StorageReader):
                                      f"{tuple(tensor.size())}, the tensor to load it into {tuple(target.size())}")
                 target.copy_(tensor)
             planner.commit_tensor(item, target)
+
+    def _vetted(self, value: io.BytesIO, item, planner: LoadPlanner) -> io.BytesIO:
+        """``value`` as the planner may unpickle it: as it is where pickles are allowed, or the planner loads
+        weights-only itself; else loaded weights-only here, and saved again for the planner's ``torch.load``."""
+        if self.allow_pickle or (isinstance(planner, SafeLoadPlanner) and not planner.allow_pickle):
+            return value
+        loaded = load_weights_only(value, f"{self.job} step {self.step}: {item.storage_index.fqn!r}")
+        resaved = io.BytesIO()
+        torch.save(loaded, resaved)  # of the types the weights-only load allowed, so only they are rebuilt
+        resaved.seek(0)
+        return resaved
 
     def _read_slice(self, where: Where, md: TensorStorageMetadata, chunk_offsets: Sequence[int],
                     offsets: Sequence[int], lengths: Sequence[int], into: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,21 +320,13 @@ def describe_dcp(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | N
 def full_state(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | None:
     """The whole state of a checkpoint :class:`~dashrun.dcp.Writer` wrote, as ``dcp.load`` gives it to one process (full
     tensors, nested as saved); None if it was not written by :class:`~dashrun.dcp.Writer`."""
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    class WeightsOnly(_EmptyStateDictLoadPlanner):
+    class WeightsOnly(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
         """DCP's planner for a state it builds from the metadata, but unpickling values as ``torch.load``'s
         ``weights_only`` does: whoever can write into dash-memd's disk or bucket cannot make an export run code."""
-
-        def load_bytes(self, read_item, value) -> None:
-            value = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = value
 
     if describe_dcp(client, info) is None:
         return None
@@ -314,11 +336,10 @@ def full_state(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | Non
         _load_state_dict(state, storage_reader=reader, planner=WeightsOnly(), no_dist=True)
     except CheckpointException as e:
         failures = [failure[0] for failure in e.failures.values()]  # (exception, its traceback)
-        refused = [f for f in failures if isinstance(f, pickle.UnpicklingError)]
+        refused = [f for f in failures if isinstance(f, PickleRefused)]
         if not refused:
             raise
-        raise UsageError(f"{info.job} step {info.step} holds a value DCP pickled that is not plain data "
-                         f"({str(refused[0]).splitlines()[-1].strip()[:200]})",
-                         hint="export loads such values as torch.load(weights_only=True) does; load it with "
-                              "dcp.load and dashrun.dcp.Reader where the source is trusted") from None
+        raise UsageError(f"{info.job} step {info.step}: {refused[0].message}",
+                         hint="export loads such values as torch.load(weights_only=True) does; where the source "
+                              "is trusted, load it with dcp.load and dashrun.dcp.Reader(allow_pickle=True)") from None
     return state

@@ -77,7 +77,8 @@ class MemdServer:
         objects = None
         if config.s3:
             from dashrun.memd.tiers.object import ObjectTier  # boto3 only when asked for
-            objects = ObjectTier(config.s3)
+            from dashrun.memd.tiers.signing import manifest_key
+            objects = ObjectTier(config.s3, key=manifest_key(config.token))
         self.catalogue = Catalogue(RamTier(config.memory_limit), DiskTier(config.data_dir),
                                    keep_ram=config.keep_ram, keep_disk=config.keep_disk, objects=objects,
                                    keep_object=config.keep_object, upload_queue=config.upload_queue)

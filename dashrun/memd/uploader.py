@@ -18,10 +18,13 @@ copy it covers — also copies the catalogue never knew (before the first
 listing, or an older attempt's) — then says the bucket has caught up (the
 tombstone goes once the disk has too).
 
-Reads fall through to the bucket when neither RAM nor disk holds a
-checkpoint: :meth:`Uploader.read_shard` downloads a shard into a RAM buffer.
-A checkpoint whose object fails its checksum leaves the catalogue, so the
-next request for the newest step gets the one before it.
+The listing adopts only checkpoints whose manifest carries a valid MAC
+under the cluster's key (:mod:`.tiers.signing`); an unsigned, edited or
+planted one is refused with an error in the log, never served. Reads fall
+through to the bucket when neither RAM nor disk holds a checkpoint:
+:meth:`Uploader.read_shard` downloads a shard into a RAM buffer. A
+checkpoint whose object fails its checksum leaves the catalogue, so the next
+request for the newest step gets the one before it.
 """
 
 from __future__ import annotations
@@ -147,8 +150,8 @@ class Uploader:
         self.problems.ok(_LISTING)
         for key in aborted:
             log.info("object tier: aborted an incomplete upload of %s", key)
-        for problem in problems:
-            log.warning("object tier: %s", problem)
+        for problem in problems:  # a refused manifest is someone's doing, not rot: said louder
+            log.log(logging.ERROR if problem.startswith("refused") else logging.WARNING, "object tier: %s", problem)
         if deleted:
             log.info("object tier: %d checkpoints deleted from dash-memd are still in %s; not taken, being deleted",
                      deleted, self.objects.url)
@@ -309,7 +312,8 @@ class Uploader:
             if tombstone.below is not None and step >= tombstone.below:
                 continue
             try:
-                info = self.objects.read_manifest(job, step)
+                # Unsigned is good enough to delete by: whoever could plant it can delete it as well.
+                info = self.objects.read_manifest(job, step, signed=False)
             except (NotFoundError, ChecksumError):
                 continue  # no readable manifest: not a checkpoint, the listing never takes it
             if tombstone.covers(info):

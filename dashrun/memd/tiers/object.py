@@ -9,7 +9,9 @@ key, so a later layout can live beside this one)::
 
 ``MANIFEST.json`` has the disk tier's format, ``{"format": "dashrun-checkpoint",
 "version": 1, "checkpoint": <CheckpointInfo body>}``, which gives every
-shard's size and CRC-32C. Every object also carries its own CRC-32C as user
+shard's size and CRC-32C, signed (:mod:`.signing`): each shard's SHA-256 and
+a MAC under a key derived from the cluster's token, which the bucket does not
+hold. Every object also carries its own CRC-32C as user
 metadata ``x-amz-meta-dashrun-crc32c`` (8 hex digits) and, unless
 ``server_checksums=False``, as S3's additional checksum (CRC32C, whole object),
 which S3 checks against the bytes it received.
@@ -30,11 +32,13 @@ Contracts:
   the disk tier's atomic rename, the old attempt is gone from this tier once
   ``put`` begins.
 - :meth:`ObjectTier.delete` removes the manifest first, then the shards.
-- :meth:`ObjectTier.scan` trusts manifests and checks, from the listing, that
-  every shard they name exists with its size; it downloads no shard data.
-  Bytes are verified when read: :meth:`ObjectTier.open` and
-  :meth:`ObjectTier.read_into` recompute the CRC-32C and raise ChecksumError
-  on a mismatch.
+- :meth:`ObjectTier.scan` trusts only manifests whose MAC checks out under
+  the tier's ``key`` (an unsigned, edited or planted one is refused, and
+  reported as such), and checks, from the listing, that every shard they name
+  exists with its size; it downloads no shard data. Bytes are verified when
+  read: :meth:`ObjectTier.open` and :meth:`ObjectTier.read_into` recompute the
+  CRC-32C and the SHA-256 the signed manifest gives, and raise ChecksumError
+  (SignatureError for the digest) on a mismatch.
 - Errors: NotFoundError for what is not there, ChecksumError for bytes that
   do not match, UnavailableError for a store that cannot be reached or
   refuses, after retries.
@@ -53,15 +57,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
+import threading
 import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
-from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, UnavailableError, UsageError
-from dashrun.memd.tiers import s3
+from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, SignatureError, UnavailableError, UsageError
+from dashrun.memd.tiers import s3, signing
 from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.retry import Backoff, retry
@@ -91,14 +97,15 @@ class ObjectTier(Tier):
     ``total_max_attempts``, first try included), ``connect_timeout`` and
     ``read_timeout`` (seconds) apply to each request. ``server_checksums=False``
     sends no S3 additional checksums, for stores that reject them; the
-    CRC-32C check on read stays.
+    CRC-32C check on read stays. ``key`` signs the manifests it writes and
+    checks those it reads (:func:`.signing.manifest_key` of the cluster's token).
     """
 
     name = "object"
 
     def __init__(self, url: str, *, part_size: int = 64 << 20, threshold: int = 64 << 20, workers: int = 8,
                  attempts: int = 4, backoff: float = 1.0, request_attempts: int = 5, connect_timeout: float = 10.0,
-                 read_timeout: float = 60.0, server_checksums: bool = True):
+                 read_timeout: float = 60.0, server_checksums: bool = True, key: bytes):
         if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
             raise UsageError(f"object store {url!r} is not of the form s3://bucket/prefix")
         if part_size < s3.MIN_PART or threshold < 1 or workers < 1 or attempts < 1:
@@ -111,6 +118,13 @@ class ObjectTier(Tier):
         self.url = f"s3://{self.bucket}/{self.prefix}"
         self.part_size, self.threshold, self.workers = part_size, threshold, workers
         self.attempts, self.backoff, self.server_checksums = attempts, backoff, server_checksums
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise UsageError("the object tier needs the manifest key (signing.manifest_key of the cluster's token)")
+        self._key = key
+        # Each shard's SHA-256 from a signed manifest this tier wrote or verified, by (job, step, rank, nbytes,
+        # crc): a read given the shard's header (from the listing) needs no second download of the manifest.
+        self._digests: dict[tuple[str, int, int, int, int], bytes] = {}
+        self._digests_lock = threading.Lock()
         #: The boto3 S3 client (thread-safe); every request of this tier goes through it.
         self.client = s3.make_client(connect_timeout=connect_timeout, read_timeout=read_timeout,
                                   request_attempts=request_attempts, connections=workers + 4)
@@ -140,6 +154,8 @@ class ObjectTier(Tier):
         for shard, view in zip(info.shards, views):  # the manifest must tell the truth about what goes up
             if len(view) != shard.nbytes or crc32c(view) != shard.crc:
                 raise SourceChanged(f"{info.job} step {info.step} rank {shard.rank}: bytes do not match their CRC")
+        # Of the bytes just checked: the signed digest vouches for nothing the CRC did not.
+        digests = [hashlib.sha256(view).digest() for view in views]
         step_key = self.step_key(info.job, info.step)
         manifest_key = f"{step_key}/{MANIFEST}"
         started = time.monotonic()
@@ -154,8 +170,9 @@ class ObjectTier(Tier):
             if lost:
                 raise UnavailableError(f"object store s3://{self.bucket}: shards of ranks {lost} of {info.job} step "
                                        f"{info.step} vanished before the commit")
-            body = json.dumps({"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "checkpoint": info.to_body()},
-                              indent=1, sort_keys=True).encode()
+            manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "checkpoint": info.to_body()}
+            body = json.dumps(signing.sign(manifest, digests, self._key), indent=1, sort_keys=True).encode()
+            self._remember(info, digests)
             self._retry(f"upload {manifest_key}", functools.partial(self._upload, manifest_key, memoryview(body)))
         except BaseException:
             with contextlib.suppress(Exception):  # best effort: a store that is down keeps the orphans
@@ -225,6 +242,28 @@ class ObjectTier(Tier):
 
     def delete(self, job: str, step: int) -> None:
         self._delete_step(self.step_key(job, step))
+        with self._digests_lock:
+            for known in [k for k in self._digests if k[:2] == (job, step)]:
+                del self._digests[known]
+
+    def _remember(self, info: CheckpointInfo, digests: Sequence[bytes]) -> None:
+        with self._digests_lock:
+            for shard, digest in zip(info.shards, digests):
+                self._digests[(info.job, info.step, shard.rank, shard.nbytes, shard.crc)] = digest
+
+    def _digest(self, job: str, step: int, shard: ShardHeader) -> bytes:
+        """The signed SHA-256 of ``shard`` (a header from this tier's listing); the manifest is read again if
+        this tier has not seen it, and must still describe the same shard."""
+        known = (job, step, shard.rank, shard.nbytes, shard.crc)
+        with self._digests_lock:
+            digest = self._digests.get(known)
+        if digest is None:
+            info = self.read_manifest(job, step)
+            if not 0 <= shard.rank < info.world or info.shards[shard.rank] != shard:
+                raise ChecksumError(f"{job} step {step}: the bucket's manifest changed since it was listed")
+            with self._digests_lock:
+                digest = self._digests[known]
+        return digest
 
     def _delete_step(self, step_key: str, retrying: bool = True) -> None:
         call = self._retry if retrying else (lambda what, fn: fn())
@@ -271,6 +310,7 @@ class ObjectTier(Tier):
         (from :meth:`scan`). Raises NotFoundError, ChecksumError, UnavailableError.
         """
         shard = shard or self._shard(job, step, rank)
+        digest = self._digest(job, step, shard)
         target = memoryview(view).cast("B")
         if len(target) < shard.nbytes:
             raise ValueError(f"buffer of {len(target)} bytes for a shard of {shard.nbytes}")
@@ -279,6 +319,9 @@ class ObjectTier(Tier):
         self._retry(f"download {key}", functools.partial(self._download, key, target))
         if crc32c(target) != shard.crc:
             raise ChecksumError(f"s3://{self.bucket}/{key} fails its checksum")
+        if hashlib.sha256(target).digest() != digest:  # a CRC-32C anyone can match; a SHA-256 under the MAC not
+            raise SignatureError(f"s3://{self.bucket}/{key} does not match the SHA-256 of its signed manifest: "
+                                 "changed in the bucket; not served")
         return shard
 
     def _download(self, key: str, target: memoryview) -> None:
@@ -319,13 +362,17 @@ class ObjectTier(Tier):
             raise NotFoundError(f"{job} step {step} has no rank {rank}")
         return info.shards[rank]
 
-    def read_manifest(self, job: str, step: int) -> CheckpointInfo:
+    def read_manifest(self, job: str, step: int, *, signed: bool = True) -> CheckpointInfo:
+        """The manifest of ``job`` step ``step``; SignatureError unless its MAC checks out (``signed=False``:
+        not checked, for deleting only, which someone with write access to the bucket could do anyway)."""
         key = f"{self.step_key(job, step)}/{MANIFEST}"
         try:
             raw = loads_bounded(self._retry(f"download {key}", functools.partial(self._get_small, key)))
             if raw.get("format") != MANIFEST_FORMAT or raw.get("version") != MANIFEST_VERSION:
                 raise ValueError("unknown manifest format")
             info = CheckpointInfo.from_body(raw["checkpoint"])
+            if signed:  # after parsing: a digest list is checked against the world the manifest gives
+                self._remember(info, signing.verify(raw, self._key, f"s3://{self.bucket}/{key}", info.world))
         except NotFoundError:
             raise NotFoundError(f"{job} step {step} is not in the object store") from None
         except (ValueError, KeyError, TypeError, AttributeError, ProtocolError) as e:
@@ -397,6 +444,9 @@ class ObjectTier(Tier):
                 info = self.read_manifest(job, int(name))
             except NotFoundError:
                 continue  # deleted since the listing
+            except SignatureError as e:
+                problems.append(f"refused {where}: {e}")
+                continue
             except ChecksumError as e:
                 problems.append(f"ignored {where}: corrupt ({e})")
                 continue

@@ -55,6 +55,7 @@ from dashrun.util.retry import Backoff, retry
 from dashrun.util.tokens import read_token
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo, JobSpec
+from dashrun.wire.tls import format_fingerprint
 
 __all__ = ["AgentProcess", "NodeConfig", "config_from_args", "prepare_job", "run"]
 
@@ -352,8 +353,10 @@ def _pass_memd_to_ranks(options: LaunchOptions) -> None:
     host, port = options.memd
     os.environ[env.MEMD.name] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     os.environ[env.TOKEN_FILE.name] = os.path.abspath(options.token_file)
+    fingerprint = options.tls.fingerprint
     for var, value in ((env.NO_TLS, "1" if options.tls.plaintext else None),
-                       (env.TLS_CA, str(options.tls.ca) if options.tls.ca is not None else None)):
+                       (env.TLS_CA, str(options.tls.ca) if options.tls.ca is not None else None),
+                       (env.TLS_FINGERPRINT, format_fingerprint(fingerprint) if fingerprint is not None else None)):
         if value is None:
             os.environ.pop(var.name, None)
         else:

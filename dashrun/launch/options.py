@@ -88,6 +88,7 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("remote_python", ("--remote-python", "--remote_python")),
     OptionName("no_tls", ("--no-tls", "--no_tls"), "store_true"),
     OptionName("tls_ca", ("--tls-ca", "--tls_ca")),
+    OptionName("tls_fingerprint", ("--tls-fingerprint", "--tls_fingerprint")),
     OptionName("agent_cpus", ("--agent-cpus", "--agent_cpus")),
     # torchrun's
     OptionName("nnodes", ("--nnodes",)),
@@ -159,12 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
                                   help=f"Python that runs dashrun on the hosts of --hostfile (env "
                                        f"{env.REMOTE_PYTHON.name}; default: this one's path).")
     NAMES["no_tls"].add_to(group, default=env.get(env.NO_TLS, "0") == "1",
-                           help=f"plaintext TCP to a dash-memd started with --no-tls, for this launcher and its "
-                                f"dash-agent (env {env.NO_TLS.name}=1; default: TLS, with dash-memd authenticated "
-                                "on the link by the token).")
+                           help=f"plaintext TCP to a dash-memd started with --no-tls, for this launcher, its "
+                                f"dash-agent and ranks (env {env.NO_TLS.name}=1): no encryption, anyone on the path "
+                                "reads the checkpoints; the token login and each record's MAC still stop them from "
+                                "altering or injecting bytes (default: TLS, with dash-memd authenticated on the link "
+                                "by the token).")
     NAMES["tls_ca"].add_to(group, default=env.get(env.TLS_CA), metavar="FILE",
                            help=f"also verify dash-memd's TLS certificate chain and host name against these PEM CA "
                                 f"certificates (env {env.TLS_CA.name}).")
+    NAMES["tls_fingerprint"].add_to(group, default=env.get(env.TLS_FINGERPRINT), metavar="SHA256:...",
+                                    help=f"talk only to the dash-memd whose certificate has this SHA-256, as "
+                                         f"'dash-memd fingerprint' prints it; any other is refused before the login "
+                                         f"(env {env.TLS_FINGERPRINT.name}; default: any that holds the token).")
     NAMES["agent_cpus"].add_to(group, default=env.get(env.AGENT_CPUS, AUTO), metavar="auto|none|LIST",
                                help=f"CPUs for this node's dash-agent, kept from the ranks, which run on the "
                                     f"launcher's other CPUs (env {env.AGENT_CPUS.name}; default auto: one core of "
@@ -414,7 +421,7 @@ def check_values(args: argparse.Namespace) -> None:
     _metadata_endpoint(args.metadata_endpoint)
     _seconds(args.poll_interval, "--poll-interval")
     parse_agent_cpus(args.agent_cpus)
-    TlsSettings.from_options(args.no_tls, args.tls_ca)
+    TlsSettings.from_options(args.no_tls, args.tls_ca, args.tls_fingerprint)
 
 
 def _require_devices(nproc_per_node: str) -> None:
@@ -445,7 +452,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     _require_devices(args.nproc_per_node)
     require_script(args)
     job_id = job_id_from_args(args)
-    tls = TlsSettings.from_options(args.no_tls, args.tls_ca)
+    tls = TlsSettings.from_options(args.no_tls, args.tls_ca, args.tls_fingerprint)
     if tls.ca is not None:
         _load_ca(tls.ca)
     agent_cpus = parse_agent_cpus(args.agent_cpus)

@@ -60,14 +60,18 @@ log = logging.getLogger(PROGRAM)
 @click.option("--no-prefetch", envvar=env.NO_PREFETCH.name, show_envvar=True, is_flag=True,
               help="Do not fetch the job's newest checkpoint at start, ahead of its ranks' restore().")
 @click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True,
-              help="Plaintext TCP to a dash-memd started with --no-tls (default: TLS).")
+              help="Plaintext TCP to a dash-memd started with --no-tls (default: TLS): no encryption; the token "
+                   "login and each record's MAC still hold.")
 @click.option("--tls-ca", envvar=env.TLS_CA.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
               help="Also verify dash-memd's certificate chain and host name against these PEM CA certificates "
                    "(default: the login authenticates dash-memd on the TLS link itself).")
+@click.option("--tls-fingerprint", envvar=env.TLS_FINGERPRINT.name, show_envvar=True, default=None,
+              metavar="SHA256:...", help="Talk only to the dash-memd whose certificate has this SHA-256 ('dash-memd "
+                                         "fingerprint' prints it); refuse any other before the login.")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
-        metadata_endpoint, poll_interval, no_prefetch, no_tls, tls_ca, log_level) -> None:
+        metadata_endpoint, poll_interval, no_prefetch, no_tls, tls_ca, tls_fingerprint, log_level) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
@@ -75,7 +79,7 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          socket_path=Path(socket_path), listen_fd=listen_fd, memd_timeout=memd_timeout,
                          drain_timeout=drain_timeout, job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint,
                          poll_interval=poll_interval, parent_pid=parent_pid,
-                         tls=TlsSettings.from_options(no_tls, tls_ca), prefetch=not no_prefetch)
+                         tls=TlsSettings.from_options(no_tls, tls_ca, tls_fingerprint), prefetch=not no_prefetch)
     sys.exit(run(config))
 
 

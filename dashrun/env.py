@@ -74,15 +74,21 @@ SHUTDOWN_TIMEOUT = Var("DASH_SHUTDOWN_TIMEOUT", "seconds dash-memd gets to finis
                        "dash-memd")
 READY_FILE = Var("DASH_READY_FILE", "file dash-memd writes HOST:PORT to once it listens", "dashrun, tests", "dash-memd")
 TOKEN_OUT = Var("DASH_TOKEN_OUT", "where 'dash-memd token' writes a new token", "user", "dash-memd token")
-NO_TLS = Var("DASH_NO_TLS", "'1': plaintext TCP to and at dash-memd instead of TLS (every end must say so)", "user",
-             "dashrun, dash-agent, dash-memd, ranks")
+NO_TLS = Var("DASH_NO_TLS", "'1': plaintext TCP to and at dash-memd instead of TLS (every end must say so): no "
+             "encryption; the token login and each record's MAC still hold. Not sent on to the hosts of --hostfile: "
+             "the fan-out gives them --no-tls on their command line", "user", "dashrun, dash-agent, dash-memd, ranks")
+INSECURE_PLAINTEXT = Var("DASH_INSECURE_PLAINTEXT", "'1': let dash-memd --no-tls listen on an address beyond "
+                         "loopback", "user", "dash-memd")
 NO_PREFETCH = Var("DASH_NO_PREFETCH", "'1': dash-agent waits for a rank's restore() before fetching the job's "
                   "newest checkpoint", "user", "dash-agent")
-TLS_CERT = Var("DASH_TLS_CERT", "dash-memd's TLS certificate, PEM (default: an ephemeral self-signed one)", "user",
-               "dash-memd")
+TLS_CERT = Var("DASH_TLS_CERT", "dash-memd's TLS certificate, PEM (default: its own self-signed one, kept in its "
+               "data dir)", "user", "dash-memd")
 TLS_KEY = Var("DASH_TLS_KEY", "the key of --tls-cert, PEM (default: in the certificate's file)", "user", "dash-memd")
 TLS_CA = Var("DASH_TLS_CA", "CA certificates to also verify dash-memd's certificate and host name with", "user",
              "dashrun, dash-agent, ranks")
+TLS_FINGERPRINT = Var("DASH_TLS_FINGERPRINT", "SHA256:... of the only certificate dash-memd may show ('dash-memd "
+                      "fingerprint' prints it); any other is refused before the login", "user, dashrun",
+                      "dashrun, dash-agent, ranks")
 AGENT_CPUS = Var("DASH_AGENT_CPUS", "CPUs for dash-agent, kept from the ranks: auto, none or a list like 6-7", "user",
                  "dashrun")
 ELASTIC = Var("DASH_ELASTIC", "'1': the job's world may change; a rank whose node stays restarts at the new size "
@@ -111,8 +117,8 @@ ALL: tuple[Var, ...] = (
     MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_TIMEOUT,
     DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, AUTH_TIMEOUT,
     IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY, TLS_CA, AGENT_CPUS,
-    ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB, KEYS_OUT, WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY,
-    CRASH_AT,
+    TLS_FINGERPRINT, INSECURE_PLAINTEXT, ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB, KEYS_OUT,
+    WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY, CRASH_AT,
 )
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 
 __all__ = ["AuthError", "BusyError", "ChecksumError", "ConflictError", "DashError", "ErrorCode", "ExitCode",
-           "ForbiddenError", "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RemoteError",
-           "RestoreMismatchError", "SignatureError", "UnavailableError", "UsageError"]
+           "ForbiddenError", "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RecordTagError",
+           "RemoteError", "RestoreMismatchError", "SignatureError", "UnavailableError", "UsageError"]
 
 
 class ExitCode(enum.IntEnum):
@@ -98,6 +98,12 @@ class UnavailableError(DashError):
     """A peer (dash-agent, dash-memd) cannot be reached or went away mid-request."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class RecordTagError(UnavailableError):
+    """A record of a logged-in link failed its tag (:mod:`dashrun.wire.sealed`): altered, replayed, reordered or
+    injected on the way, or sent under other keys. The connection is over, as for any UnavailableError; this
+    one is told apart, since it means something on the path (or a bug), not a network that failed."""
 
 
 class ChecksumError(DashError):

@@ -51,8 +51,8 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
     assert own == ["agent_cpus", "cloud", "fresh", "hostfile", "job_id", "memd", "metadata_endpoint", "no_tls",
-                   "operator_key", "poll_interval", "remote_python", "ssh_config", "tls_ca", "token_file", "version",
-                   "weak_token_ok"]
+                   "operator_key", "poll_interval", "remote_python", "ssh_config", "tls_ca", "tls_fingerprint",
+                   "token_file", "version", "weak_token_ok"]
 
 
 def test_pet_environment_twins_work_as_in_torchrun(monkeypatch):
@@ -177,6 +177,9 @@ BAD_VALUES = [
     (["--tls-ca", "no-such-ca.pem"], "cannot load --tls-ca"),
     (["--tls-ca", "token"], "cannot load --tls-ca"),  # not PEM certificates
     (["--tls-ca", "token", "--no-tls"], "--tls-ca and --no-tls exclude each other"),
+    (["--tls-fingerprint", "SHA256:nope"], "--tls-fingerprint 'SHA256:nope' is not a SHA-256 fingerprint"),
+    (["--tls-fingerprint", "AB:CD"], "--tls-fingerprint 'AB:CD' is not a SHA-256 fingerprint"),
+    (["--tls-fingerprint", "SHA256:" + "A" * 43, "--no-tls"], "--tls-fingerprint and --no-tls exclude each other"),
     (["--hostfile", "no-such-hosts", *MEMD], "cannot read hostfile no-such-hosts"),
     # through the SSH fan-out, which decides some of these for every host itself
     ([*HOSTS, "--nnodes", "x"], "--nnodes 'x' is not N or MIN:MAX"),
@@ -184,6 +187,7 @@ BAD_VALUES = [
     ([*HOSTS, "--max-restarts", "-1"], "--max-restarts -1 is not a whole number >= 0"),
     ([*HOSTS, "--rdzv-conf", "garbage"], "--rdzv-conf 'garbage': 'garbage' is not KEY=VALUE"),
     ([*HOSTS, "--memd", "host:port"], "--memd 'host:port' has an invalid port"),
+    ([*HOSTS, "--tls-fingerprint", "SHA256:nope"], "--tls-fingerprint 'SHA256:nope' is not a SHA-256"),
     ([*HOSTS, "--ssh-config", "no-such-config"], "cannot read ssh config"),
 ]
 

@@ -194,9 +194,9 @@ def test_ddp_batchnorm_statistics_resume_bit_identical(memd, tmp_path, bn_refere
         kill_tree(launcher)
     assert launcher.returncode == -9, "the run finished before it could be killed"
     with memd.client() as client:
-        committed = client.latest("bn")
+        newest = client.latest("bn")
 
     result = run(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert starts(out) == [0, committed.step + 1]
+    assert starts(out) == [0, newest.step + 1]
     assert_identical(bn_reference, out)

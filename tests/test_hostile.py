@@ -666,7 +666,7 @@ def tree(root: Path) -> set[str]:
 def test_hostile_job_ids_are_refused_and_create_nothing(memd_factory, tmp_path):
     memd = memd_factory("--memory-limit", "64MiB")
     outside_before = {p for p in tree(tmp_path) if not p.startswith(memd.data_dir.name) and not p.endswith(".log")}
-    assert tree(memd.data_dir) == {"jobs", "LOCK", "ID"}
+    assert tree(memd.data_dir) == {"jobs", "LOCK", "ID", "tls-identity.pem"}
 
     for job in HOSTILE_JOBS:
         for name, (kind, body) in hostile_requests(job).items():
@@ -689,8 +689,9 @@ def test_hostile_job_ids_are_refused_and_create_nothing(memd_factory, tmp_path):
         assert client.latest(longest).step == 1
     wait_for(lambda: manifest(memd, longest, 1).exists(), 15, "the valid checkpoint to reach the disk")
 
-    assert tree(memd.data_dir) == {"LOCK", "ID", "jobs", f"jobs/{longest}", f"jobs/{longest}/{1:016d}",
-                                   f"jobs/{longest}/{1:016d}/MANIFEST.json", f"jobs/{longest}/{1:016d}/rank-00000.bin"}
+    assert tree(memd.data_dir) == {"LOCK", "ID", "tls-identity.pem", "jobs", f"jobs/{longest}",
+                                   f"jobs/{longest}/{1:016d}", f"jobs/{longest}/{1:016d}/MANIFEST.json",
+                                   f"jobs/{longest}/{1:016d}/rank-00000.bin"}
     outside_after = {p for p in tree(tmp_path) if not p.startswith(memd.data_dir.name) and not p.endswith(".log")}
     assert outside_after == outside_before
     assert not Path("/tmp", ESCAPE_NAME).exists()

@@ -405,5 +405,5 @@ def test_hostile_job_and_run_ids_are_refused_and_create_nothing(memd, tmp_path):
                 with pytest.raises(ProtocolError):
                     request()
         assert client.ping()
-    assert {p.name for p in memd.data_dir.iterdir()} == {"jobs", "LOCK", "ID"}
+    assert {p.name for p in memd.data_dir.iterdir()} == {"jobs", "LOCK", "ID", "tls-identity.pem"}
     assert not list(tmp_path.rglob("*hostile*")) and not list(tmp_path.glob("x*"))

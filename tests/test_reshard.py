@@ -215,7 +215,7 @@ def test_an_export_of_a_step_gone_while_it_is_read_says_so_and_lets_go_of_its_me
             return info
 
         def get_shard_checked_into(self, job, step, rank, views, offset=0, committed_at=None):
-            receiving = views  # noqa: F841 (this frame holds them, as a receive in progress does)
+            assert views is not None  # this frame holds them (an argument), as a receive in progress does
             raise NotFoundError(f"{job} has no committed checkpoint of step {step} with rank {rank}")
 
     with pytest.raises(NotFoundError, match="no committed checkpoint of step 1"):

@@ -17,8 +17,9 @@ import ssl
 import threading
 
 import pytest
+from conftest import wait_for
 
-from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
+from dashrun.errors import ChecksumError, ProtocolError, RecordTagError, UnavailableError
 from dashrun.wire import sealed
 from dashrun.wire.channel import CHUNK, Channel
 from dashrun.wire.memd_client import MemdClient
@@ -385,3 +386,115 @@ def test_a_bit_flipped_after_a_no_tls_login_is_detected(no_tls_memd_with_a_check
         relay.close()
     with memd.client(timeout=10) as c:
         assert c.latest("kept").step == 1
+
+
+# --- a record that fails, and records numbered by two threads ------------------------------------------------
+
+
+def tampered_frame(kind: type[Records], payload: bytes, at: int) -> bytes:
+    """What a channel sealed with ``kind`` sends for a frame carrying ``payload``, one bit flipped at ``at``."""
+    a, b = tcp_pair()
+    with a, b:
+        sender = Channel(a)
+        sender.seal(kind(a, KEY_A, KEY_B))
+        sender.send(Kind.PING, {}, data=[payload])
+        a.shutdown(socket.SHUT_WR)
+        wire = bytearray()
+        while chunk := b.recv(1 << 20):
+            wire += chunk
+    wire[at] ^= 0x01
+    return bytes(wire)
+
+
+@pytest.mark.parametrize("kind", [Records, SignedRecords], ids=["sealed", "signed"])
+def test_a_record_that_fails_its_tag_leaves_zeros_where_it_landed(kind):
+    """Decrypted before its tag is checked (sealed) or received in place (signed), a record that fails leaves
+    none of its bytes in the destination; taken in part, none in the buffer that holds the rest."""
+    payload = b"\x5a" * 4096
+    wire = bytearray(written_by(kind(None, KEY_A, KEY_B), payload))
+    wire[-100] ^= 0x01  # inside the record's bytes
+    for wanted in (len(payload), 10):
+        reader = reader_of(bytes(wire), kind=kind)
+        into = bytearray(b"\xaa" * len(payload))
+        with pytest.raises(RecordTagError, match="authentication"):
+            reader.recv_into(memoryview(into), wanted)
+        assert into == bytes(len(payload)) if wanted == len(payload) else into == b"\xaa" * len(payload)
+        assert not any(reader._plain) and not reader._pending
+    cut = reader_of(bytes(written_by(kind(None, KEY_A, KEY_B), payload))[:-100], kind=kind)
+    into = bytearray(b"\xaa" * len(payload))
+    with pytest.raises(UnavailableError, match="cut"):
+        cut.recv_into(memoryview(into), len(payload))
+    assert b"\x5a" not in into  # cut short: what came is unchecked, and not kept either
+
+
+@pytest.mark.parametrize("kind", [Records, SignedRecords], ids=["sealed", "signed"])
+def test_a_shard_whose_record_fails_its_tag_leaves_none_of_it_in_its_destination(kind):
+    """As a rank or dash-memd receives a shard, into its tensors or its RAM buffer: the altered record's bytes
+    never reach them (the frame's last record, 4-byte CRC, is 24 bytes: -100 is inside the data's)."""
+    payload = b"\x5a" * (CHUNK + 4096)
+    wire = tampered_frame(kind, payload, -100)
+    c, d = tcp_pair()
+    with c, d:
+        threading.Thread(target=lambda: (c.sendall(wire), c.shutdown(socket.SHUT_WR)), daemon=True).start()
+        d.settimeout(10)
+        receiver = Channel(d)
+        receiver.seal(kind(d, KEY_B, KEY_A))
+        frame = receiver.recv(max_data=1 << 30)
+        into = bytearray(b"\xaa" * len(payload))
+        with pytest.raises(RecordTagError):
+            receiver.recv_data_into(frame, [memoryview(into)])
+    assert b"\x5a" * 16 not in into[CHUNK:]  # the first record (a chunk) passed its tag: it is the sender's
+
+
+@pytest.mark.parametrize("kind", [Records, SignedRecords], ids=["sealed", "signed"])
+def test_two_threads_sending_on_one_link_take_turns_and_never_share_a_record_number(kind):
+    """Two threads send on one link at once, each a record and a half per call: they take turns, a call each,
+    so the peer opens every record in order (a record number used twice, or records out of their numbers'
+    order, fails its tag) and every call's bytes arrive together. Numbering outside the lock raises."""
+    a, b = tcp_pair()
+    for sock in (a, b):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)  # a send blocks part-way: threads switch
+        sock.settimeout(30)
+    sender, receiver = kind(a, KEY_A, KEY_B), kind(b, KEY_B, KEY_A)
+    piece, calls = MAX_RECORD + MAX_RECORD // 2, 12
+    failures: list[BaseException] = []
+
+    def send(letter: bytes) -> None:
+        try:
+            for _ in range(calls):
+                sender.sendall(letter * piece)
+        except BaseException as e:  # noqa: BLE001 (reported by the test)
+            failures.append(e)
+
+    threads = [threading.Thread(target=send, args=(letter,)) for letter in (b"A", b"B")]
+    with a, b:
+        for thread in threads:
+            thread.start()
+        received = [read_all(receiver, piece) for _ in range(2 * calls)]
+        for thread in threads:
+            thread.join(30)
+    assert not failures, failures
+    assert sorted(call[:1] for call in received) == [b"A"] * calls + [b"B"] * calls
+    assert all(call == call[:1] * piece for call in received)  # each call's records together, in order
+    assert sender._send.number == receiver._recv.number == 2 * calls * 2
+    with pytest.raises(RuntimeError, match="outside its direction's lock"):
+        Records(None, KEY_A, KEY_B)._send.next()
+
+
+def test_a_tag_failure_is_counted_and_logged_by_dash_memd(no_tls_memd_with_a_checkpoint):
+    """dash-memd tells a record that failed its tag from a link that failed: a WARNING line and a count in
+    every LIST reply, for 'dashrun status' to show."""
+    memd = no_tls_memd_with_a_checkpoint
+    with memd.client(timeout=10) as c:
+        assert c.list()["tag_failures"] == 0
+    relay = TamperingRelay((memd.host, memd.port), flip=LOGIN_BYTES + 4 + 16 + 5)
+    try:
+        with MemdClient(relay.host, relay.port, memd.token, timeout=10, tls=TlsSettings(plaintext=True)) as c:
+            with pytest.raises(UnavailableError):
+                c.latest("kept")
+    finally:
+        relay.close()
+    wait_for(lambda: "WARNING" in memd.log() and "a record failed authentication" in memd.log(), 10,
+             "dash-memd to log the tag failure")
+    with memd.client(timeout=10) as c:
+        assert c.list()["tag_failures"] == 1

@@ -132,12 +132,12 @@ def test_fsdp_killed_at_a_random_step_resumes_bit_identical(memd, tmp_path, fsdp
         kill_tree(launcher)  # launcher, agent and ranks together, with SIGKILL
     assert launcher.returncode == -9, "the run finished before it could be killed"
     with memd.client() as client:
-        committed = client.latest("fsdp-kill")
-    assert committed is not None and committed.step <= last_step(out)
+        newest = client.latest("fsdp-kill")
+    assert newest is not None and newest.step <= last_step(out)
 
     run(cmd)
-    assert starts(out) == [0, committed.step + 1], f"killed at {kill_at}"
-    assert starts(out, rank=1) == [0, committed.step + 1]
+    assert starts(out) == [0, newest.step + 1], f"killed at {kill_at}"
+    assert starts(out, rank=1) == [0, newest.step + 1]
     assert_identical(fsdp_reference, out)
 
 

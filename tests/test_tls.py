@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
+import re
 import select
 import socket
 import ssl
@@ -29,7 +31,7 @@ from dashrun.errors import AuthError, UnavailableError, UsageError
 from dashrun.util.tokens import write_token
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import ShardHeader
-from dashrun.wire.tls import ServerTls, TlsSettings
+from dashrun.wire.tls import IDENTITY_FILE, ServerTls, TlsSettings, format_fingerprint, parse_fingerprint
 
 TRAIN = Path(__file__).resolve().parent / "bin" / "train.py"
 IO_TIMEOUT = 10.0
@@ -262,6 +264,10 @@ def test_a_tampered_byte_of_ciphertext_kills_the_connection(memd):
     with client(memd) as c:
         assert c.latest("tampered") is None
         assert "tampered" not in {job["job"] for job in c.list()["jobs"]}
+        assert c.list()["tag_failures"] == 1  # counted, told apart from a link that merely failed
+    assert re.search(r"WARNING .*a record failed authentication", memd.log()), memd.log()[-2000:]
+    result = dashrun_status(memd)
+    assert result.returncode == 0 and "1 records failed authentication" in result.stdout, result.stderr
 
 
 def test_the_auth_timeout_bounds_the_tls_handshake_too(memd_factory):
@@ -334,26 +340,40 @@ def test_no_tls_on_both_ends_works(memd_factory, tmp_path):
         assert c.latest("plain-launch").step == 4  # saved by the rank, through the agent, in plaintext
 
 
-def test_the_fan_out_passes_the_tls_options_to_every_host(tmp_path, monkeypatch):
+def test_the_fan_out_passes_the_tls_options_to_every_host(tmp_path, monkeypatch, caplog):
     from dashrun.launch import fanout
     from dashrun.launch.options import build_parser
 
     (tmp_path / "hostfile").write_text("hostA slots=1\nhostB slots=1\n")
     (tmp_path / "ssh_config").write_text("Host hostA\n  HostName 10.1.1.1\nHost hostB\n  HostName 10.1.1.2\n")
     monkeypatch.chdir(tmp_path)
-    for env, typed, expected in (({"DASH_NO_TLS": "1"}, [], ("DASH_NO_TLS=1",)),
-                                 ({}, ["--tls-ca", "ca.pem"], ("--tls-ca", "ca.pem"))):
-        for name in ("DASH_NO_TLS", "DASH_TLS_CA"):
+    pin = format_fingerprint(bytes(range(32)))
+    for env, typed, expected in (({"DASH_NO_TLS": "1"}, [], ("--no-tls",)),
+                                 ({}, ["--no-tls"], ("--no-tls",)),
+                                 ({}, ["--tls-ca", "ca.pem"], ("--tls-ca", "ca.pem")),
+                                 ({}, ["--tls-fingerprint", pin], ("--tls-fingerprint", pin)),
+                                 ({"DASH_TLS_FINGERPRINT": pin}, [], (f"DASH_TLS_FINGERPRINT={pin}",))):
+        for name in ("DASH_NO_TLS", "DASH_TLS_CA", "DASH_TLS_FINGERPRINT"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         argv = ["--hostfile", "hostfile", "--ssh-config", "ssh_config", "--memd", "stable:7070", "--token-file",
                 "tok", *typed, "train.py"]
         parser = build_parser()
-        config = fanout.config_from_args(argv, parser.parse_args(argv), parser)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dashrun.launch.fanout"):
+            config = fanout.config_from_args(argv, parser.parse_args(argv), parser)
         for command in config.commands:
             words = command.split()
             assert all(word in words for word in expected), command
+            # --no-tls is said on each host's command line, once, never carried along unseen in its environment
+            assert "DASH_NO_TLS=1" not in words and words.count("--no-tls") == (expected == ("--no-tls",)), command
+        plaintext = [r.getMessage() for r in caplog.records if "--no-tls" in r.getMessage()]
+        if expected == ("--no-tls",):  # and the launcher says so, naming the hosts (and the variable it came from)
+            assert len(plaintext) == 1 and "hostA, hostB" in plaintext[0] and "unencrypted" in plaintext[0]
+            assert ("(from DASH_NO_TLS)" in plaintext[0]) == bool(env), plaintext
+        else:
+            assert plaintext == []
 
 
 def test_an_operator_certificate_and_tls_ca(memd_factory, tmp_path):
@@ -374,3 +394,138 @@ def test_an_operator_certificate_and_tls_ca(memd_factory, tmp_path):
     with client(ephemeral, tls=TlsSettings(ca=ca[2])) as c:
         with pytest.raises(UsageError, match="does not verify against --tls-ca"):
             c.ping()
+
+
+# --- dash-memd's identity: kept, printed, pinned -------------------------------------------------------------
+
+
+def banner_fingerprints(memd) -> list[str]:
+    return re.findall(r"fingerprint (SHA256:[A-Za-z0-9+/]{43}) ", memd.log())
+
+
+def memd_fingerprint(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dashrun.memd", "fingerprint", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_dash_memd_keeps_its_identity_across_a_restart_and_prints_it(memd_factory):
+    """Its own certificate is made at the first start and kept in --data-dir (0600): the same fingerprint after a
+    restart, the one 'dash-memd fingerprint' prints and the banner shows, and a pinned client logs in to both."""
+    memd = memd_factory("--memory-limit", "64MiB")
+    kept = memd.data_dir / IDENTITY_FILE
+    assert kept.stat().st_mode & 0o777 == 0o600
+    assert b"PRIVATE KEY" in kept.read_bytes()
+    wait_for(lambda: banner_fingerprints(memd), 10, "the banner to name the fingerprint")
+    first = banner_fingerprints(memd)[0]
+    printed = memd_fingerprint("--data-dir", str(memd.data_dir))
+    assert printed.returncode == 0 and printed.stdout.strip() == first, printed.stderr
+    pinned = TlsSettings(fingerprint=parse_fingerprint(first))
+    with client(memd, tls=pinned) as c:
+        assert c.ping()["pid"] == memd.proc.pid
+    memd.stop()
+    memd.start()
+    wait_for(lambda: len(banner_fingerprints(memd)) == 2, 10, "the restarted dash-memd's banner")
+    assert banner_fingerprints(memd) == [first, first]
+    with client(memd, tls=pinned) as c:
+        assert c.ping()["pid"] == memd.proc.pid
+    result = dashrun_status(memd, "--tls-fingerprint", first)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_fingerprint_reads_in_every_spelling_and_a_malformed_one_is_refused(tmp_path):
+    digest = os.urandom(32)
+    colon_hex = ":".join(f"{b:02X}" for b in digest)  # what the banner printed before, and OpenSSL prints
+    for spelling in (format_fingerprint(digest), format_fingerprint(digest) + "=", "sha256:" + digest.hex(),
+                     digest.hex().upper(), colon_hex, "SHA256:" + colon_hex.lower(), f"sha256 Fingerprint={colon_hex}"):
+        assert parse_fingerprint(spelling) == digest, spelling
+    for bad in ("SHA256:", "SHA256:abc", "SHA256:" + digest.hex()[:-2], colon_hex[:-3], "MD5:" + digest.hex(),
+                "SHA256:" + format_fingerprint(digest)[7:-1] + "*"):
+        with pytest.raises(UsageError, match="is not a SHA-256 fingerprint"):
+            parse_fingerprint(bad)
+    with pytest.raises(UsageError, match="--tls-fingerprint and --no-tls exclude each other"):
+        TlsSettings.from_options(True, None, format_fingerprint(digest))
+    # what the launcher hands its dash-agent (options) and its ranks (the environment) reads back as it was
+    pinned = TlsSettings(fingerprint=digest)
+    assert pinned.args() == ["--tls-fingerprint", format_fingerprint(digest)]
+    assert TlsSettings.from_options(False, None, pinned.args()[1]) == pinned
+    agent_help = subprocess.run([sys.executable, "-m", "dashrun.agent", "--help"], capture_output=True, text=True,
+                                timeout=60)
+    assert "--tls-fingerprint" in agent_help.stdout and "DASH_TLS_FINGERPRINT" in agent_help.stdout
+    missing = memd_fingerprint("--data-dir", str(tmp_path / "never-started"))
+    assert missing.returncode == 2 and "no dash-memd identity in" in missing.stderr, missing.stderr
+    assert not (tmp_path / "never-started").exists()  # printing never makes one
+
+
+def tls_record_types(stream: bytes) -> list[int]:
+    """The content types of the TLS records in ``stream`` (a client's side of a connection)."""
+    types, at = [], 0
+    while at + 5 <= len(stream):
+        types.append(stream[at])
+        at += 5 + int.from_bytes(stream[at + 3:at + 5], "big")
+    return types
+
+
+def test_a_pinned_client_refuses_another_dash_memd_with_the_same_token(memd_factory):
+    """A second dash-memd with the cluster's token could pose as the first to any client; one pinned to the first
+    refuses it once the TLS handshake shows its certificate, naming both fingerprints, and sends nothing more:
+    no login starts (the relay sees the client's Finished and no record after it, the second logs no refusal)."""
+    first = memd_factory("--memory-limit", "64MiB")
+    other = memd_factory("--memory-limit", "64MiB")  # the same token file
+    wait_for(lambda: banner_fingerprints(first) and banner_fingerprints(other), 10, "both banners")
+    pin, theirs = banner_fingerprints(first)[0], banner_fingerprints(other)[0]
+    assert pin != theirs
+    pinned = TlsSettings(fingerprint=parse_fingerprint(pin))
+    with Relay((other.host, other.port)) as relay:
+        with client(other, relay.address, tls=pinned) as c:
+            with pytest.raises(UsageError) as refused:
+                c.ping()
+        wait_for(lambda: relay.connections == 1 and not relay._threads[1].is_alive(), 10, "the client to hang up")
+    message = str(refused.value)
+    assert "is not the pinned one" in message and pin in message and theirs in message and "\n" not in message
+    assert tls_record_types(bytes(relay.to_memd)).count(0x17) == 1, "the client sent more than its Finished"
+    with Relay((other.host, other.port)) as control:  # the same relay sees a login as records after the Finished
+        with client(other, control.address) as c:
+            c.ping()
+        assert tls_record_types(bytes(control.to_memd)).count(0x17) > 1
+    assert "refused" not in other.log()
+    with client(first, tls=pinned) as c:  # and the pinned one is served
+        assert c.ping()["pid"] == first.proc.pid
+    # The command line: one line and its hint, exit code 2; the environment twin pins as the option does.
+    result = dashrun_status(other, env={"DASH_TLS_FINGERPRINT": pin})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 2 and pin in lines[0] and theirs in lines[0], result.stderr
+    assert "refused" not in other.log()
+
+
+# --- --no-tls says what it gives up ---------------------------------------------------------------------------
+
+
+def test_no_tls_beyond_loopback_is_refused_unless_insecure_plaintext(memd_factory, tmp_path, token_file):
+    """dash-memd --no-tls on 0.0.0.0 (every interface) stops before it binds anything: one line, exit 2, the hint
+    naming --insecure-plaintext; on loopback it starts and its banner says what --no-tls gives up."""
+    from click.testing import CliRunner
+
+    from dashrun.launch.options import build_parser
+    from dashrun.memd.cli import cli as memd_cli
+    from dashrun.memd.config import MemdConfig, loopback
+
+    ready = tmp_path / "ready"
+    result = subprocess.run([sys.executable, "-m", "dashrun.memd", "start", "--listen", "0.0.0.0:0", "--no-tls",
+                             "--data-dir", str(tmp_path / "data"), "--token-file", str(token_file), "--ready-file",
+                             str(ready)], capture_output=True, text=True, timeout=20)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 2, result.stderr
+    assert "--no-tls on --listen 0.0.0.0, beyond loopback" in lines[0] and "--insecure-plaintext" in lines[1], lines
+    assert not ready.exists()
+    assert [loopback(h) for h in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost", "0.0.0.0", "::", "",
+                                  "10.1.2.3")] == [True] * 5 + [False] * 4
+    base = dict(port=0, data_dir=tmp_path / "data", memory_limit=1 << 20, token=b"t" * 32, no_tls=True)
+    assert MemdConfig(host="0.0.0.0", insecure_plaintext=True, **base).insecure_plaintext  # asked for by name
+    with pytest.raises(UsageError, match="--insecure-plaintext goes with --no-tls only"):
+        MemdConfig(host="127.0.0.1", **{**base, "no_tls": False, "insecure_plaintext": True})
+    plain = memd_factory("--memory-limit", "64MiB", "--no-tls")
+    wait_for(lambda: "listening on" in plain.log(), 10, "the banner")
+    assert "no encryption" in plain.log() and "the token login and each record's MAC still hold" in plain.log()
+    for help_text in (CliRunner().invoke(memd_cli, ["start", "--help"], terminal_width=1000).output,
+                      build_parser().format_help()):
+        assert "no encryption" in " ".join(help_text.split()), help_text

@@ -39,17 +39,17 @@ from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import MembershipEvent
 from dashrun.wire.operator import SeenSpecs, load_public_key
 from dashrun.wire.protocol import valid_job_id
-from dashrun.wire.tls import TlsSettings
+from dashrun.wire.tls import TlsSettings, format_fingerprint
 
 __all__ = ["cli", "connect", "memd_options", "tls_settings"]
 
 console = Console()
-_NO_TLS, _TLS_CA = "dashrun.no_tls", "dashrun.tls_ca"
+_NO_TLS, _TLS_CA, _TLS_FINGERPRINT = "dashrun.no_tls", "dashrun.tls_ca", "dashrun.tls_fingerprint"
 
 
 @contextlib.contextmanager
 def connect(memd: str | None, token_file: str | None) -> Iterator[MemdClient]:
-    """A client of ``--memd`` (or of the private dash-memd), with the command's ``--no-tls``/``--tls-ca``."""
+    """A client of ``--memd`` (or of the private dash-memd), with the command's TLS options."""
     tls = tls_settings()
     if memd is None:
         with PrivateMemd(attach=True, no_tls=tls.plaintext) as private, \
@@ -62,9 +62,10 @@ def connect(memd: str | None, token_file: str | None) -> Iterator[MemdClient]:
 
 
 def tls_settings() -> TlsSettings:
-    """The running command's ``--no-tls`` and ``--tls-ca`` (kept aside by :func:`memd_options`)."""
+    """The running command's ``--no-tls``, ``--tls-ca`` and ``--tls-fingerprint`` (kept aside by
+    :func:`memd_options`); UsageError for a malformed fingerprint or options that exclude each other."""
     meta = click.get_current_context().meta
-    return TlsSettings.from_options(meta.get(_NO_TLS, False), meta.get(_TLS_CA))
+    return TlsSettings.from_options(meta.get(_NO_TLS, False), meta.get(_TLS_CA), meta.get(_TLS_FINGERPRINT))
 
 
 def _job(job: str) -> str:
@@ -85,18 +86,24 @@ def _keep_aside(key: str):
 
 
 def memd_options(command):
-    """``--memd``, ``--token-file``, ``--no-tls``, ``--tls-ca`` (their twins are dashrun's own) and ``--version``.
+    """``--memd``, ``--token-file``, ``--no-tls``, ``--tls-ca``, ``--tls-fingerprint`` (their twins are dashrun's
+    own) and ``--version``.
 
     The TLS options are kept aside in the context for :func:`connect`, rather than passed to every command.
     """
     command = _version_option(command)
+    command = click.option("--tls-fingerprint", envvar=env.TLS_FINGERPRINT.name, show_envvar=True, default=None,
+                           expose_value=False, callback=_keep_aside(_TLS_FINGERPRINT), metavar="SHA256:...",
+                           help="Talk only to the dash-memd whose certificate has this SHA-256 ('dash-memd "
+                                "fingerprint' prints it); refuse any other before the login.")(command)
     command = click.option("--tls-ca", envvar=env.TLS_CA.name, show_envvar=True, default=None, expose_value=False,
                            callback=_keep_aside(_TLS_CA), type=click.Path(dir_okay=False),
                            help="Also verify dash-memd's TLS certificate chain and host name against these PEM CA "
                                 "certificates.")(command)
     command = click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True, expose_value=False,
                            callback=_keep_aside(_NO_TLS),
-                           help="Plaintext TCP to a dash-memd started with --no-tls (default: TLS).")(command)
+                           help="Plaintext TCP to a dash-memd started with --no-tls (default: TLS): no encryption; "
+                                "the token login and each record's MAC still hold.")(command)
     command = click.option("--token-file", envvar=env.TOKEN_FILE.name, show_envvar=True, default=None,
                            help="File with the cluster's token.")(command)
     return click.option("--memd", envvar=env.MEMD.name, show_envvar=True, default=None,
@@ -191,6 +198,9 @@ def status(job, memd, token_file, json) -> None:  # noqa: A002 (the name makes t
                       + ("" if listing.get("object_listed") else ", not listed yet")
                       + (f" ([red]{escape(listing['object_error'])}[/])" if listing.get("object_error") else ""),
                       highlight=False)
+    if listing.get("tag_failures"):  # records altered on the path (or a bug): the operator should look
+        console.print(f"[red]{listing['tag_failures']} records failed authentication since dash-memd started[/] "
+                      "(altered on the way to it: see its log)", highlight=False)
     _print_jobs(listing.get("jobs", []))
     if listing.get("jobs_left"):
         console.print(f"... and {listing['jobs_left']} more jobs, not shown (dashrun status JOB shows one)",
@@ -362,8 +372,9 @@ def resume(job_id, dry_run, operator_pubkey, memd, token_file) -> None:
     # not be enough to run a command here; nor an older spec the operator has since replaced.
     spec.verify(job_id, public)
     SeenSpecs(resumed_home()).check(job_id, spec.created, remember=not dry_run)
-    overrides = {"job_id": job_id, "fresh": False, "operator_key": None, "no_tls": tls_settings().plaintext,
-                 "tls_ca": tls_settings().ca}
+    tls = tls_settings()
+    overrides = {"job_id": job_id, "fresh": False, "operator_key": None, "no_tls": tls.plaintext, "tls_ca": tls.ca,
+                 "tls_fingerprint": format_fingerprint(tls.fingerprint) if tls.fingerprint else None}
     if memd is not None:
         overrides.update(memd=memd, token_file=token_file)
     if dry_run:

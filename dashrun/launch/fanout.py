@@ -56,10 +56,13 @@ STOP_GRACE = 40.0
 CLOSE_WAIT = 10.0
 
 #: Options the fan-out decides for every host (by dest); removed from the user's command line before it is sent.
+#: ``--no-tls`` (or DASH_NO_TLS here) goes to every host as the option itself, and is logged: plaintext to
+#: dash-memd from other machines is said on each host's command line, never carried along unseen in a variable.
 DECIDED = frozenset({"hostfile", "ssh_config", "remote_python", "memd", "token_file", "job_id", "fresh",
-                     "operator_key", "nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id"})
+                     "operator_key", "nnodes", "node_rank", "nproc_per_node", "rdzv_backend", "rdzv_endpoint",
+                     "rdzv_id", "no_tls"})
 #: Variables that travel to every host as they are set here (torchrun's PET_* twins travel too).
-_FORWARDED = (env.CRASH_AT, env.NO_TLS, env.TLS_CA)
+_FORWARDED = (env.CRASH_AT, env.TLS_CA, env.TLS_FINGERPRINT)
 
 
 # --- the command each host runs ------------------------------------------------------
@@ -148,8 +151,8 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
     targets = ssh_targets(hosts, args.ssh_config)
     elastic = _elastic(args)
     endpoint = f"{args.memd} (dash-memd)" if elastic else _endpoint(args, targets[0])
-    options, script = _split_command_line(argv, args)
-    options = _without(options, parser, DECIDED)
+    typed, script = _split_command_line(argv, args)
+    options = _without(typed, parser, DECIDED)
     rdzv_id = job_id if args.rdzv_id in (None, "", "none") else args.rdzv_id
     # The first host serves the rendezvous store at the endpoint chosen for it. Said outright: torch would
     # guess it from the endpoint's address, and hosts that share an address (or a NAT) would race for it.
@@ -167,6 +170,12 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
             base[var.name] = os.environ[var.name]
     base.update({k: v for k, v in os.environ.items() if k.startswith("PET_")})
     python = args.remote_python or sys.executable
+    plaintext = ["--no-tls"] if args.no_tls else []
+    if args.no_tls:
+        log.warning("--no-tls%s: each host is given --no-tls, and its checkpoints cross to dash-memd unencrypted "
+                    "(the token login and each record's MAC still hold): %s",
+                    "" if {"--no-tls", "--no_tls"} & set(typed) else f" (from {env.NO_TLS.name})",
+                    ", ".join(host.name for host in hosts))
     commands = []
     for index, (host, target) in enumerate(zip(hosts, targets)):
         # No --node-rank: the c10d rendezvous numbers the hosts itself (torch ignores it, with a warning).
@@ -179,7 +188,7 @@ def config_from_args(argv: list[str], args: argparse.Namespace, parser: argparse
         if own_store and not elastic:
             environment["PET_RDZV_CONF"] = f"is_host={int(index == 0)}"
         commands.append(remote_command(cwd=os.getcwd(), python=python, environment=environment,
-                                       argv=[*options, *decided, *script]))
+                                       argv=[*options, *decided, *plaintext, *script]))
     return HostsConfig(hosts=hosts, targets=targets, commands=tuple(commands), job_id=job_id, rdzv_endpoint=endpoint,
                        elastic=elastic)
 

@@ -57,6 +57,7 @@ from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo, JobSpec
 from dashrun.wire.operator import load_private_key
+from dashrun.wire.tls import format_fingerprint
 
 __all__ = ["AgentProcess", "NodeConfig", "config_from_args", "prepare_job", "run"]
 
@@ -388,8 +389,10 @@ def _pass_memd_to_ranks(options: LaunchOptions) -> None:
     host, port = options.memd
     os.environ[env.MEMD.name] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     os.environ[env.TOKEN_FILE.name] = os.path.abspath(options.token_file)
+    fingerprint = options.tls.fingerprint
     for var, value in ((env.NO_TLS, "1" if options.tls.plaintext else None),
-                       (env.TLS_CA, str(options.tls.ca) if options.tls.ca is not None else None)):
+                       (env.TLS_CA, str(options.tls.ca) if options.tls.ca is not None else None),
+                       (env.TLS_FINGERPRINT, format_fingerprint(fingerprint) if fingerprint is not None else None)):
         if value is None:
             os.environ.pop(var.name, None)
         else:

@@ -26,6 +26,7 @@ from dashrun.version import __version__
 from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.operator import write_key_pair
 from dashrun.wire.protocol import valid_job_id
+from dashrun.wire.tls import IDENTITY_FILE, fingerprint_of
 
 __all__ = ["PROGRAM", "cli", "config_from_options", "main", "run"]
 
@@ -76,10 +77,16 @@ def cli() -> None:
 @click.option("--ready-file", envvar=env.READY_FILE.name, show_envvar=True, type=click.Path(dir_okay=False),
               default=None, help="Write HOST:PORT here once listening.")
 @click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True,
-              help="Plaintext TCP instead of TLS (every agent and command must say --no-tls too). Without it, "
+              help="Plaintext TCP instead of TLS (every agent and command must say --no-tls too): no encryption, "
+                   "anyone on the path reads checkpoints, job names and command lines; the token login and each "
+                   "record's MAC (Poly1305) still stop them from altering, replaying or injecting bytes, and no "
+                   "one without the token logs in. Loopback only, unless --insecure-plaintext. Without it, "
                    "clients are authenticated on the TLS link itself and need no CA.")
+@click.option("--insecure-plaintext", envvar=env.INSECURE_PLAINTEXT.name, show_envvar=True, is_flag=True,
+              help="Let --no-tls listen beyond loopback (a --listen address other machines reach).")
 @click.option("--tls-cert", envvar=env.TLS_CERT.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
-              help="Serve this PEM certificate (chain, leaf first) instead of an ephemeral self-signed one.")
+              help="Serve this PEM certificate (chain, leaf first) instead of dash-memd's own self-signed one, which "
+                   f"it makes at its first start and keeps in --data-dir ({IDENTITY_FILE}, mode 0600).")
 @click.option("--tls-key", envvar=env.TLS_KEY.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
               help="The unencrypted PEM key of --tls-cert (default: in the --tls-cert file).")
 @click.option("--parent-pid", envvar=env.PARENT_PID.name, show_envvar=True, type=int, default=None,
@@ -95,6 +102,23 @@ def start(**options) -> None:
     if options.pop("weak_token_ok"):
         os.environ[env.WEAK_TOKEN_OK.name] = "1"  # where read_token looks
     sys.exit(run(config_from_options(**options)))
+
+
+@cli.command()
+@click.option("--data-dir", envvar=env.DATA_DIR.name, show_envvar=True, type=click.Path(file_okay=False),
+              default=None, help="dash-memd's data dir: the certificate it keeps there.")
+@click.option("--tls-cert", envvar=env.TLS_CERT.name, show_envvar=True, type=click.Path(dir_okay=False), default=None,
+              help="The operator's certificate dash-memd serves instead (--tls-cert of 'dash-memd start').")
+def fingerprint(data_dir, tls_cert) -> None:
+    """Print the SHA-256 of dash-memd's TLS certificate, as clients pin it: --tls-fingerprint SHA256:<base64>.
+
+    The same value dash-memd's start-up line shows; clients also accept it as 64 hex digits, with or without
+    colons (as 'openssl x509 -noout -fingerprint -sha256' prints it).
+    """
+    if data_dir is None and tls_cert is None:
+        raise UsageError("give --data-dir (dash-memd's own certificate) or --tls-cert (the operator's)",
+                         hint="the --data-dir or --tls-cert that dash-memd runs with")
+    click.echo(fingerprint_of(cert=Path(tls_cert) if tls_cert else None, data_dir=Path(data_dir) if data_dir else None))
 
 
 @cli.command()
@@ -142,7 +166,7 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
                         auth_timeout: float, idle_timeout: float, shutdown_timeout: float,
                         ready_file: str | None, no_tls: bool = False, tls_cert: str | None = None,
                         tls_key: str | None = None, max_unauthenticated: int = 32,
-                        parent_pid: int | None = None) -> MemdConfig:
+                        parent_pid: int | None = None, insecure_plaintext: bool = False) -> MemdConfig:
     """The options of ``dash-memd start`` as a config; raises UsageError."""
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
     return MemdConfig(
@@ -153,7 +177,7 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
         max_connections=max_connections, max_unauthenticated=max_unauthenticated, auth_timeout=auth_timeout,
         idle_timeout=idle_timeout,
         shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
-        no_tls=no_tls, tls_cert=Path(tls_cert) if tls_cert else None, tls_key=Path(tls_key) if tls_key else None,
+        no_tls=no_tls, insecure_plaintext=insecure_plaintext, tls_cert=Path(tls_cert) if tls_cert else None, tls_key=Path(tls_key) if tls_key else None,
         parent_pid=parent_pid,
     )
 

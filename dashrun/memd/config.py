@@ -9,13 +9,15 @@ for touching.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import socket
 from pathlib import Path
 
 import psutil
 
 from dashrun.errors import UsageError
 
-__all__ = ["V1_UNLIMITED", "MemdConfig", "cgroup_memory_limit", "default_memory_limit"]
+__all__ = ["V1_UNLIMITED", "MemdConfig", "cgroup_memory_limit", "default_memory_limit", "loopback"]
 
 #: A cgroup v1 limit at least this large is no limit (the kernel writes "unlimited" as a number near 2**63).
 V1_UNLIMITED = 1 << 60
@@ -54,7 +56,9 @@ class MemdConfig:
     ready_file: Path | None = None
     #: plaintext TCP (--no-tls); every client must say --no-tls too
     no_tls: bool = False
-    #: the operator's certificate (chain, leaf first) and key; None: an ephemeral self-signed one per start
+    #: --no-tls on an address beyond loopback, asked for by name (--insecure-plaintext)
+    insecure_plaintext: bool = False
+    #: the operator's certificate (chain, leaf first) and key; None: dash-memd's own, kept in its data dir
     tls_cert: Path | None = None
     tls_key: Path | None = None
     #: the process that started this one (dashrun's private dash-memd: the launcher); once it is gone, dash-memd
@@ -79,6 +83,27 @@ class MemdConfig:
             raise UsageError("--tls-key needs --tls-cert", hint="give the certificate the key belongs to")
         if self.no_tls and self.tls_cert is not None:
             raise UsageError("--tls-cert and --no-tls exclude each other", hint="drop one of them")
+        if self.insecure_plaintext and not self.no_tls:
+            raise UsageError("--insecure-plaintext goes with --no-tls only", hint="drop it: with TLS it says nothing")
+        # Checked before anything listens: plaintext beyond this machine must be asked for by name.
+        if self.no_tls and not self.insecure_plaintext and not loopback(self.host):
+            raise UsageError(f"--no-tls on --listen {self.host}, beyond loopback: every checkpoint would cross the "
+                             "network unencrypted", hint="drop --no-tls, or add --insecure-plaintext if every "
+                                                         "network on the way is yours")
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or a name, resolved here) is this machine's loopback alone: every address a
+    name resolves to, and never ``0.0.0.0``, ``::`` or an empty host (every interface)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP) if host else []
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos)
 
 
 def _read_limit(path: Path) -> int | None:

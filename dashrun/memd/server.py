@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from dashrun import errors
-from dashrun.errors import ChecksumError, DashError, ProtocolError, UnavailableError
+from dashrun.errors import ChecksumError, DashError, ProtocolError, RecordTagError, UnavailableError
 from dashrun.memd.admission import Admission, Slot
 from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
@@ -105,8 +105,11 @@ class MemdServer:
         self.address: tuple[str, int] | None = None
         self.id = ""
         self.forbidden = 0  # requests refused for a credential that did not cover them
+        #: records that failed their tag since start (altered on the path, or a bug): in every LIST reply
+        self.tag_failures = 0
+        self._tag_lock = threading.Lock()
         # Made (or loaded) before anything listens: a certificate that cannot be loaded is a usage error.
-        self.tls = None if config.no_tls else ServerTls.load(config.tls_cert, config.tls_key)
+        self.tls = None if config.no_tls else ServerTls.load(config.tls_cert, config.tls_key, config.data_dir)
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -144,9 +147,10 @@ class MemdServer:
 
     def _tls_banner(self) -> str:
         if self.tls is None:
-            return "plaintext (--no-tls): clients must run with --no-tls too"
-        what = "the operator's certificate" if self.tls.operator else "an ephemeral self-signed certificate"
-        return f"TLS with {what} (SHA-256 {self.tls.fingerprint})"
+            return ("plaintext (--no-tls): no encryption, anyone on the path reads what crosses; the token login "
+                    "and each record's MAC still hold; clients must run with --no-tls too")
+        what = "the operator's certificate" if self.tls.operator else f"its own certificate ({self.tls.kept})"
+        return f"TLS with {what}, fingerprint {self.tls.fingerprint} (clients pin it: --tls-fingerprint)"
 
     def _lock_data_dir(self) -> None:
         """Refuse to share a data dir: two daemons writing one disk tier would lose checkpoints."""
@@ -294,6 +298,10 @@ class MemdServer:
                 except OSError as e:  # dash-memd's own files (a full disk, say): refused, logged, served on
                     log.error("%s: %s failed: %s", who, frame.kind.name, e)
                     ch.send_error(_refusal(e))
+        except RecordTagError as e:  # not the network: something on the path altered the stream (or a bug)
+            with self._tag_lock:
+                self.tag_failures += 1
+            log.warning("%s: %s", who, e)
         except UnavailableError as e:
             log.debug("%s: %s", who, e)
         except errors.BusyError as e:  # logged in while every client slot is taken
@@ -420,6 +428,7 @@ class MemdServer:
         ch.send(Kind.OK, {"jobs": page, "next": page[-1]["job"] if more and page else None, "total": total,
                           "memory": {"used": ram.used, "limit": ram.limit},
                           "pending_disk_writes": self.catalogue.pending_disk_writes(),
+                          "tag_failures": self.tag_failures, "forbidden": self.forbidden,
                           **self.catalogue.object_status()})
 
     def _put_spec(self, ch: Channel, frame: Frame) -> None:

@@ -17,7 +17,17 @@ the nonce (never reused under a key) and every :data:`REKEY_RECORDS` records
 the key is replaced by one derived from it, well inside AES-GCM's per-key
 limits (RFC 8446, 5.5). A record's length is authenticated with its bytes. A
 record that fails its tag — tampered with, replayed, reordered, spliced from
-another connection — or is cut short ends the connection.
+another connection — raises :class:`~dashrun.errors.RecordTagError` (an
+UnavailableError told apart, for dash-memd to count), or is cut short, ends
+the connection; either way its destination is zeroed first, so that no byte
+of it (decrypted before its tag was checked, or received in the clear) is
+ever taken for data.
+
+A direction's record number is never shared between threads: each direction
+has a lock, held while a record is numbered, sealed and sent (a whole
+``sendall``), or read, numbered and opened, so two threads sending on one
+link take turns, their records in the order of their numbers, instead of
+sealing two records under one nonce.
 
 A sealed record on the wire (:class:`Records`)::
 
@@ -44,6 +54,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+import threading
 from typing import Callable
 
 from cryptography.exceptions import InvalidTag
@@ -51,7 +62,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
-from dashrun.errors import ProtocolError, UnavailableError
+from dashrun.errors import ProtocolError, RecordTagError, UnavailableError
 
 __all__ = ["MAX_RECORD", "REKEY_RECORDS", "Records", "SignedRecords", "after_login"]
 
@@ -73,16 +84,20 @@ def _next_key(key: bytes) -> bytes:
 
 
 class _Direction:
-    """One direction's key and record number; the key moves on every REKEY_RECORDS records."""
+    """One direction's key and record number; the key moves on every REKEY_RECORDS records. ``lock`` is held by
+    whoever numbers a record, for as long as the record takes to cross (see the module's text)."""
 
     def __init__(self, key: bytes, aead: Callable[[bytes], AESGCM | ChaCha20Poly1305] = AESGCM):
         self.key = key
         self._make = aead
         self.aead = aead(key)
         self.number = 0
+        self.lock = threading.Lock()
 
     def next(self) -> tuple[AESGCM | ChaCha20Poly1305, bytes]:
-        """The cipher and nonce of the next record."""
+        """The cipher and nonce of the next record; only under ``lock``."""
+        if not self.lock.locked():
+            raise RuntimeError("a record numbered outside its direction's lock")
         sealing = self.aead, _NONCE.pack(self.number)
         self.number += 1
         if self.number % REKEY_RECORDS == 0:
@@ -94,10 +109,16 @@ class _Direction:
 _REFUSED = "a record failed authentication (altered, replayed or reordered on the way): connection dropped"
 
 
+def _wipe(view: memoryview) -> None:
+    """Zero the destination of a record that failed: its bytes are not the sender's."""
+    flat = view if view.format == "B" else view.cast("B")
+    flat[:] = bytes(len(flat))
+
+
 class Records:
     """``sendall`` and ``recv_into`` of a socket, in sealed records (see the module's text).
 
-    One thread sends and one receives at a time, as on any stream a channel owns. Buffers are made on
+    Threads that send (or receive) at once take turns, a whole ``sendall`` (a ``recv_into``) each. Buffers are made on
     first use and reused: the ciphertext of the largest record seen, and the plaintext of a record
     only partly taken (a frame's header is read before its body).
     """
@@ -119,8 +140,9 @@ class Records:
 
     def sendall(self, data) -> None:
         view = memoryview(data).cast("B")
-        for start in range(0, len(view), MAX_RECORD):
-            self._send_record(view[start:start + MAX_RECORD])
+        with self._send.lock:  # numbered, sealed and sent in one piece: never two records under one nonce
+            for start in range(0, len(view), MAX_RECORD):
+                self._send_record(view[start:start + MAX_RECORD])
 
     def _send_record(self, piece: memoryview) -> None:
         n = len(piece)
@@ -137,6 +159,10 @@ class Records:
 
     def recv_into(self, view: memoryview, nbytes: int) -> int:
         """Up to ``nbytes`` plaintext bytes into ``view``; 0 only where the peer closed between records."""
+        with self._recv.lock:
+            return self._recv_into(view, nbytes)
+
+    def _recv_into(self, view: memoryview, nbytes: int) -> int:
         if not self._pending:
             n = self._next_record()
             if n == 0:
@@ -165,7 +191,7 @@ class Records:
 
     def _open(self, n: int, into: memoryview) -> None:
         """Read the rest of the record whose length ``n`` was just read, and its ``n`` plaintext bytes into
-        ``into``; raises UnavailableError if it fails its tag."""
+        ``into``; raises RecordTagError, ``into`` zeroed, if it fails its tag."""
         if len(self._in) < n + _TAG:
             self._in = bytearray(n + _TAG)
         self._read_exact(memoryview(self._in)[:n + _TAG], at_boundary=False)
@@ -173,7 +199,8 @@ class Records:
         try:
             aead.decrypt_into(nonce, memoryview(self._in)[:n + _TAG], _LENGTH.pack(n), into)
         except InvalidTag:
-            raise UnavailableError(_REFUSED) from None
+            _wipe(into)  # the ciphertext was decrypted into it before the tag was checked
+            raise RecordTagError(_REFUSED) from None
 
     def _read_exact(self, view: memoryview, *, at_boundary: bool) -> bool:
         got = 0
@@ -216,12 +243,16 @@ class SignedRecords(Records):
         return n
 
     def _open(self, n: int, into: memoryview) -> None:
-        self._read_exact(into, at_boundary=False)
-        aead, nonce = self._recv.next()
         try:
+            self._read_exact(into, at_boundary=False)
+            aead, nonce = self._recv.next()
             aead.decrypt(nonce, self._tag, into)
         except InvalidTag:
-            raise UnavailableError(_REFUSED) from None
+            _wipe(into)  # received in place, as they came: none of them is the sender's
+            raise RecordTagError(_REFUSED) from None
+        except BaseException:
+            _wipe(into)  # cut short: what came is unchecked
+            raise
 
 
 def after_login(sock: socket.socket, token: bytes, binding: bytes, client_nonce: str, server_nonce: str, *,

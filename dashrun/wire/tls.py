@@ -1,16 +1,22 @@
 """TLS on dashrun's TCP links, and the channel binding the login signs.
 
 Every TCP connection to dash-memd is TLS (1.3 where this Python's ``ssl`` has
-it) unless both ends were started with ``--no-tls``. dash-memd makes a
-self-signed certificate at start, or serves the operator's (``--tls-cert``,
-``--tls-key``). A client needs no CA: the login (:mod:`dashrun.wire.auth`)
-signs, with the cluster's token, the SHA-256 of the server's certificate as
-each end sees it (``tls-server-end-point``, RFC 5929). A relay that terminates
-TLS shows the client another certificate than dash-memd's own, so the two ends
-sign different bindings and the login fails. ``--tls-ca`` makes a client check
-the certificate's chain and host name as well. TLS ends with the login: the
-connection goes on in sealed records keyed from it (:mod:`dashrun.wire.sealed`).
-With ``--no-tls`` nothing is secret, but the records after the login are still
+it) unless both ends were started with ``--no-tls``. dash-memd serves the
+operator's certificate (``--tls-cert``, ``--tls-key``), or its own self-signed
+one, made at its first start and kept with its key in its data dir
+(:data:`IDENTITY_FILE`, mode 0600), so that its identity survives a restart.
+A client needs no CA: the login (:mod:`dashrun.wire.auth`) signs, with the
+cluster's token, the SHA-256 of the server's certificate as each end sees it
+(``tls-server-end-point``, RFC 5929). A relay that terminates TLS shows the
+client another certificate than dash-memd's own, so the two ends sign
+different bindings and the login fails. That proves the server holds the
+token, and anyone with the token could pose as dash-memd; a client that pins
+the certificate (``--tls-fingerprint``: its SHA-256, as ``dash-memd
+fingerprint`` prints it, see :func:`format_fingerprint`) refuses any other
+before its login starts. ``--tls-ca`` makes a client check the certificate's
+chain and host name as well. TLS ends with the login: the connection goes on
+in sealed records keyed from it (:mod:`dashrun.wire.sealed`). With
+``--no-tls`` nothing is secret, but the records after the login are still
 signed with keys from it: no byte of them is altered or injected unseen.
 
 The client speaks first in both modes, so dash-memd tells the two apart by the
@@ -23,11 +29,15 @@ never sends (``user_canceled``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import datetime
 import functools
 import hashlib
+import hmac
 import os
+import re
 import socket
 import ssl
 import time
@@ -35,9 +45,11 @@ from pathlib import Path
 
 from dashrun import env
 from dashrun.errors import AuthError, ErrorCode, ProtocolError, UnavailableError, UsageError
+from dashrun.util.files import fsync_dir, write_new
 from dashrun.wire.protocol import MAGIC, Kind, encode_body, encode_header
 
-__all__ = ["BINDING_PLAIN", "ServerTls", "TlsSettings", "accept", "connect", "mismatch", "peer_binding"]
+__all__ = ["BINDING_PLAIN", "IDENTITY_FILE", "ServerTls", "TlsSettings", "accept", "connect", "fingerprint_of",
+           "format_fingerprint", "mismatch", "parse_fingerprint", "peer_binding"]
 
 #: The first byte of a TLS handshake record (a ClientHello, a ServerHello).
 _HANDSHAKE_RECORD = 0x16
@@ -51,35 +63,80 @@ BINDING_PLAIN = bytes(32)
 #: Longest dash-memd reads (and drops) what a refused client of the other mode still sends, so that closing
 #: does not reset the connection before the client has read why.
 _DRAIN = 1.0
-#: How long the ephemeral certificate is valid: dash-memd makes a new one at every start.
+#: How long a self-signed certificate is valid: dash-memd's own is kept for good, a client pins it.
 _VALIDITY = datetime.timedelta(days=3650)
+#: dash-memd's own certificate and its key (PEM, one file, mode 0600) in its --data-dir: its identity.
+IDENTITY_FILE = "tls-identity.pem"
+#: What may precede a fingerprint: ``SHA256:`` (as printed here and by OpenSSH), or OpenSSL's
+#: ``sha256 Fingerprint=`` (``openssl x509 -noout -fingerprint -sha256``).
+_FINGERPRINT_PREFIX = re.compile(r"^(sha-?256( fingerprint)?\s*[:=]\s*)?", re.IGNORECASE)
+_FINGERPRINT_HINT = ("give it as 'dash-memd fingerprint' prints it, SHA256:<base64>, or as 64 hex digits "
+                     "(with or without colons)")
+
+
+def format_fingerprint(digest: bytes) -> str:
+    """A certificate's SHA-256 as dashrun prints it: ``SHA256:`` and unpadded base64 (as OpenSSH prints keys')."""
+    return "SHA256:" + base64.b64encode(digest).decode("ascii").rstrip("=")
+
+
+def parse_fingerprint(text: str, option: str = "--tls-fingerprint") -> bytes:
+    """The 32 bytes of a SHA-256 fingerprint in any spelling dashrun meets: ``SHA256:<base64>`` (padded or not),
+    ``SHA256:<hex>``, or colon-separated hex (dash-memd's banners before this version printed it, as OpenSSL
+    does), each with or without its prefix. UsageError for anything else."""
+    rest = _FINGERPRINT_PREFIX.sub("", text.strip(), count=1)
+    digest = b""
+    try:
+        if ":" in rest:  # colon-hex: 32 pairs
+            pairs = rest.split(":")
+            if all(len(pair) == 2 for pair in pairs):
+                digest = bytes.fromhex("".join(pairs))
+        elif len(rest) == 64:  # base64 of 32 bytes is 43 characters (44 padded): 64 is hex
+            digest = bytes.fromhex(rest)
+        elif rest:
+            digest = base64.b64decode(rest + "=" * (-len(rest) % 4), validate=True)
+    except (ValueError, binascii.Error):
+        digest = b""
+    if len(digest) != hashlib.sha256().digest_size:
+        raise UsageError(f"{option} {text!r} is not a SHA-256 fingerprint", hint=_FINGERPRINT_HINT)
+    return digest
 
 
 @dataclasses.dataclass(frozen=True)
 class TlsSettings:
-    """A client's side of a link to dash-memd: TLS (the default) or plaintext, and a CA to verify it with."""
+    """A client's side of a link to dash-memd: TLS (the default) or plaintext, a CA to verify it with, and the
+    certificate it must show."""
 
     #: ``--no-tls``: speak plaintext (dash-memd must run with --no-tls too)
     plaintext: bool = False
     #: ``--tls-ca``: also verify dash-memd's certificate chain and host name against these CAs
     ca: Path | None = None
+    #: ``--tls-fingerprint``: the SHA-256 of the only certificate accepted (checked before the login starts)
+    fingerprint: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.plaintext and self.ca is not None:
             raise UsageError("--tls-ca and --no-tls exclude each other", hint="drop one of them")
+        if self.plaintext and self.fingerprint is not None:
+            raise UsageError("--tls-fingerprint and --no-tls exclude each other",
+                             hint="--no-tls has no certificate to pin: drop one of them")
 
     @classmethod
-    def from_options(cls, no_tls: bool, tls_ca: str | os.PathLike | None) -> TlsSettings:
-        return cls(plaintext=bool(no_tls), ca=Path(tls_ca).absolute() if tls_ca else None)
+    def from_options(cls, no_tls: bool, tls_ca: str | os.PathLike | None,
+                     tls_fingerprint: str | None = None) -> TlsSettings:
+        """UsageError for a fingerprint that is not one, or options that exclude each other."""
+        return cls(plaintext=bool(no_tls), ca=Path(tls_ca).absolute() if tls_ca else None,
+                   fingerprint=parse_fingerprint(tls_fingerprint) if tls_fingerprint else None)
 
     @classmethod
     def from_env(cls) -> TlsSettings:
-        """The settings dashrun's launcher hands its ranks (``DASH_NO_TLS``, ``DASH_TLS_CA``)."""
-        return cls.from_options(env.get(env.NO_TLS) == "1", env.get(env.TLS_CA))
+        """The settings dashrun's launcher hands its ranks (``DASH_NO_TLS``, ``DASH_TLS_CA``,
+        ``DASH_TLS_FINGERPRINT``)."""
+        return cls.from_options(env.get(env.NO_TLS) == "1", env.get(env.TLS_CA), env.get(env.TLS_FINGERPRINT))
 
     def args(self) -> list[str]:
         """These settings as command-line options, for a process started with them."""
-        return (["--no-tls"] if self.plaintext else []) + (["--tls-ca", str(self.ca)] if self.ca else [])
+        return ((["--no-tls"] if self.plaintext else []) + (["--tls-ca", str(self.ca)] if self.ca else [])
+                + (["--tls-fingerprint", format_fingerprint(self.fingerprint)] if self.fingerprint else []))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,13 +145,24 @@ class ServerTls:
 
     context: ssl.SSLContext
     binding: bytes
-    operator: bool  # the operator's certificate (else an ephemeral self-signed one)
+    operator: bool  # the operator's certificate (else a self-signed one)
+    kept: Path | None = None  # the file of dash-memd's own certificate (None: the operator's, or an ephemeral one)
 
     @classmethod
-    def load(cls, cert: Path | None = None, key: Path | None = None) -> ServerTls:
-        """The operator's certificate (and key, by default in the same file), or a new self-signed one."""
+    def load(cls, cert: Path | None = None, key: Path | None = None, data_dir: Path | None = None) -> ServerTls:
+        """The operator's certificate (and key, by default in the same file); else dash-memd's own in
+        ``data_dir`` (made there if it has none yet); else, with neither, a new ephemeral one."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = _MINIMUM
+        if cert is None and data_dir is not None:
+            kept = _own_identity(Path(data_dir))
+            try:
+                context.load_cert_chain(kept)
+            except (OSError, ssl.SSLError) as e:
+                raise UsageError(f"cannot load dash-memd's certificate {kept}: {_reason(e)}",
+                                 hint="restore it from a backup, or remove it for a new identity (every "
+                                      "--tls-fingerprint pinned to the old one must change)") from None
+            return cls(context, hashlib.sha256(_first_der(kept.read_bytes())).digest(), False, kept)
         if cert is None:
             cert_pem, key_pem = _self_signed()
             # From memory: the key of an ephemeral certificate never touches a disk.
@@ -117,7 +185,57 @@ class ServerTls:
 
     @property
     def fingerprint(self) -> str:
-        return ":".join(f"{b:02X}" for b in self.binding)
+        """What a client pins with ``--tls-fingerprint`` (:func:`format_fingerprint`)."""
+        return format_fingerprint(self.binding)
+
+
+def _own_identity(data_dir: Path) -> Path:
+    """dash-memd's own certificate and key in ``data_dir``, made at the first start: written whole to a file of
+    its own, fsynced, then linked in under :data:`IDENTITY_FILE` (a link never replaces a file, so of two starts
+    racing on one data dir the first one's stays and both serve it). UsageError if it is readable by others."""
+    path = data_dir / IDENTITY_FILE
+    if not path.exists():
+        cert_pem, key_pem = _self_signed()
+        tmp = data_dir / f".{IDENTITY_FILE}.{os.getpid()}.tmp"
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            tmp.unlink(missing_ok=True)
+            write_new(tmp, cert_pem + key_pem, 0o600)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            fsync_dir(data_dir)
+        except OSError as e:
+            raise UsageError(f"cannot keep dash-memd's TLS key in {data_dir}: {e.strerror or e}",
+                             hint="--data-dir must be writable by dash-memd") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise UsageError(f"cannot read dash-memd's TLS key {path}: {e.strerror or e}") from None
+    if mode & 0o077:
+        raise UsageError(f"dash-memd's TLS key {path} is open to others (mode {mode & 0o777:o})",
+                         hint=f"chmod 600 {path}, and pin a new identity if others may have read it")
+    return path
+
+
+def fingerprint_of(*, cert: Path | None = None, data_dir: Path | None = None) -> str:
+    """What a client pins for the certificate dash-memd serves (:func:`format_fingerprint`): the operator's
+    ``cert``, else dash-memd's own in ``data_dir``; read only: UsageError where there is none (yet)."""
+    path = Path(cert) if cert is not None else Path(data_dir) / IDENTITY_FILE
+    try:
+        pem = path.read_bytes()
+    except FileNotFoundError:
+        if cert is not None:
+            raise UsageError(f"cannot read --tls-cert {path}: no such file") from None
+        raise UsageError(f"no dash-memd identity in {data_dir} yet ({IDENTITY_FILE})",
+                         hint="dash-memd makes it at its first start there: start it once (or check --data-dir)") \
+            from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    return format_fingerprint(hashlib.sha256(_first_der(pem)).digest())
 
 
 def _self_signed() -> tuple[bytes, bytes]:
@@ -221,8 +339,12 @@ def _client_tls(sock: socket.socket, settings: TlsSettings, host: str, address: 
                                                    server_hostname=host if settings.ca else None)
     try:
         tls.do_handshake()
+        if settings.fingerprint is not None:
+            _check_pinned(tls, settings.fingerprint, address)
     except BaseException as e:
         tls.close()
+        if isinstance(e, UsageError):
+            raise
         if isinstance(e, ssl.SSLCertVerificationError):
             raise UsageError(f"the TLS certificate of dash-memd at {address} does not verify against --tls-ca "
                              f"{settings.ca}: {e.verify_message}",
@@ -238,6 +360,19 @@ def _client_tls(sock: socket.socket, settings: TlsSettings, host: str, address: 
                                    hint="is it dash-memd there, and without --no-tls?") from None
         raise
     return tls
+
+
+def _check_pinned(tls: ssl.SSLSocket, pinned: bytes, address: str) -> None:
+    """UsageError unless the server showed the pinned certificate: raised before a byte of the login is sent, so
+    a server that holds the token but is not the pinned one learns nothing of the client (not even a login)."""
+    der = tls.getpeercert(binary_form=True)
+    shown = hashlib.sha256(der).digest() if der else b""
+    if not hmac.compare_digest(shown, pinned):
+        raise UsageError(f"dash-memd at {address} is not the pinned one: it shows certificate "
+                         f"{format_fingerprint(shown) if der else '(none)'}, --tls-fingerprint is "
+                         f"{format_fingerprint(pinned)}",
+                         hint="if its identity changed on purpose, pin what 'dash-memd fingerprint' prints on its "
+                              "host; else something on the path poses as it")
 
 
 # --- dash-memd's end ----------------------------------------------------------------------------------

@@ -72,12 +72,12 @@ def verify(raw: Any, key: bytes, where: str, world: int) -> list[bytes]:
         raise SignatureError(f"{where} is not signed: uploaded by a dashrun older than signed manifests, or "
                              "planted by someone without the cluster's token; not taken",
                              hint="dash-memd uploads again, signed, the newest checkpoint of a job its disk "
-                                  "still holds; see docs/security-restore.md")
+                                  "still holds; see docs/security.md")
     if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, raw)):
         raise SignatureError(f"{where} does not carry a valid MAC under this cluster's token: edited in the "
                              "bucket, or written by someone without the token; not taken",
                              hint="check --token-file (a new token refuses what the old one signed); "
-                                  "see docs/security-restore.md")
+                                  "see docs/security.md")
     digests = raw.get(SHA256_FIELD)
     try:
         if not isinstance(digests, list) or len(digests) != world:

@@ -5,8 +5,8 @@ is bound to that job. Every request names the job it is about in its ``job``
 field (a shard's header too); one that names another is refused before its
 handler runs, so no handler can forget the check. ``LIST`` with a job's
 credential lists that job alone. What only the operator may do — store a launch
-spec (``dashrun resume`` runs it as root), delete a whole job — needs the
-cluster's token: a rank that a data loader's dependency took over can read and
+spec (``dashrun resume`` runs it as root), delete checkpoints (``rm``, ``gc``:
+they purge the bucket's copies too) — needs the cluster's token: a rank that a data loader's dependency took over can read and
 write its own job's checkpoints, which it could anyway, and nothing else.
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dashrun.errors import ForbiddenError
 from dashrun.wire.channel import Frame
-from dashrun.wire.protocol import Kind, field_int, field_job
+from dashrun.wire.protocol import Kind, field_job
 
 __all__ = ["OPERATOR_ONLY", "authorize"]
 
-#: Requests only the cluster's token may make (a DELETE of the whole job too: see :func:`authorize`).
-OPERATOR_ONLY = frozenset({Kind.PUT_SPEC})
+#: Requests only the cluster's token may make.
+OPERATOR_ONLY = frozenset({Kind.PUT_SPEC, Kind.DELETE})
 #: Requests about no job.
 _UNSCOPED = frozenset({Kind.PING})
 
@@ -30,9 +30,6 @@ def authorize(job: str | None, frame: Frame) -> None:
     if job is None or frame.kind in _UNSCOPED:
         return
     kind = frame.kind
-    if kind in OPERATOR_ONLY:
-        raise ForbiddenError(f"{kind.name} needs the cluster's token; this connection holds the credential of "
-                             f"job {job} only", hint="run it where the operator's token is")
     if kind == Kind.LIST:
         frame.body.pop("after", None)
         frame.body["job"] = job
@@ -41,6 +38,6 @@ def authorize(job: str | None, frame: Frame) -> None:
     if asked != job:
         raise ForbiddenError(f"this connection holds the credential of job {job}, not of {asked}",
                              hint="each job's nodes get that job's credential only")
-    if kind == Kind.DELETE and field_int(frame.body, "keep", 0, 1 << 20) == 0:
-        raise ForbiddenError(f"deleting all of job {job} needs the cluster's token, not the job's credential",
-                             hint="run dashrun rm (or --fresh) where the operator's token is")
+    if kind in OPERATOR_ONLY:
+        raise ForbiddenError(f"{kind.name} needs the cluster's token; this connection holds the credential of "
+                             f"job {job} only", hint="run it (dashrun rm, gc, --fresh) where the operator's token is")

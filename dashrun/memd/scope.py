@@ -6,8 +6,9 @@ field (a shard's header too); one that names another is refused before its
 handler runs, so no handler can forget the check. ``LIST`` with a job's
 credential lists that job alone. What only the operator may do — store a launch
 spec (``dashrun resume`` runs it as root), delete checkpoints (``rm``, ``gc``:
-they purge the bucket's copies too) — needs the cluster's token: a rank that a data loader's dependency took over can read and
-write its own job's checkpoints, which it could anyway, and nothing else.
+they purge the bucket's copies too) — needs the cluster's token: a rank that a
+data loader's dependency took over can read and write its own job's
+checkpoints, which it could anyway, and nothing else.
 """
 
 from __future__ import annotations

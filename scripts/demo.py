@@ -20,6 +20,7 @@ Exits 0 when every step's loss is bit-identical, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import signal
 import subprocess
@@ -99,11 +100,17 @@ def main() -> int:
                     "--poll-interval", "0.5", str(EXAMPLE), "--steps", str(args.steps),
                     "--interval", str(args.interval), "--loss-log", str(loss_log), *extra]
 
+        def show(command: list[str]) -> None:
+            """The command as a user would type it: the one line to copy."""
+            typed = ["dashrun", *command[3:]]
+            console.print("$ " + " ".join(shlex.quote(word) for word in typed), markup=False, highlight=False)
+
         reference_log, run_log = work / "reference-losses.txt", work / "run-losses.txt"
         for path in (reference_log, run_log):
             path.unlink(missing_ok=True)
 
         console.rule("[bold]2. an uninterrupted run, for reference")
+        show(dashrun(f"reference-{work.name}", reference_log))
         with console.status("training 2 ranks ..."):
             reference = subprocess.run(dashrun(f"reference-{work.name}", reference_log),
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -119,6 +126,7 @@ def main() -> int:
             console.rule("[bold]3. the same training, killed with SIGKILL two thirds of the way")
         else:
             console.rule("[bold]3. the same training, and a Spot interruption notice two thirds of the way")
+        show(dashrun(job, run_log, "--delay", "0.05"))
         with console.status(f"training until step {stop_at} ..."):
             launcher = subprocess.Popen(dashrun(job, run_log, "--delay", "0.05"),
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -142,6 +150,7 @@ def main() -> int:
         fake.clear()  # the replacement node gets no notice
 
         console.rule("[bold]4. the same command again")
+        show(dashrun(job, run_log))
         result = subprocess.run(dashrun(job, run_log), capture_output=True, text=True)
         resumed = next((line for line in result.stdout.splitlines() if line.startswith("resumed at step")), None)
         if result.returncode != 0 or resumed is None:

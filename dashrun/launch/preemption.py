@@ -198,10 +198,11 @@ def report_preempted(options: LaunchOptions, watcher: PreemptionWatcher) -> int:
         why = f"{record.cloud} {record.kind} notice"
     else:
         why = "an interruption notice on another node of the job"
-    newest = None
+    newest, resumable = None, False
     try:
         with MemdClient(*options.memd, read_token(options.token_file), timeout=10, tls=options.tls) as client:
             newest = client.latest(options.job_id)
+            resumable = client.get_spec(options.job_id) is not None  # signed by the operator at launch
         where = f"step {newest.step} is safe in dash-memd" if newest else "no checkpoint of this job is committed yet"
     except DashError as e:
         where = f"dash-memd could not be asked where the job stands ({e})"
@@ -215,6 +216,6 @@ def report_preempted(options: LaunchOptions, watcher: PreemptionWatcher) -> int:
         killed = f" (killed: {stop.killed})" if stop.killed else ""
         print(f"dashrun: error: the ranks did not commit an emergency checkpoint after {stopped_by.name}{killed}; "
               "the newest committed one is used on resume", file=sys.stderr)
-    print(f"dashrun: preempted by {why}: {where}; run the same command (or dashrun resume --job-id "
-          f"{options.job_id}) to continue", file=sys.stderr)
+    how = f" (or dashrun resume --job-id {options.job_id})" if resumable else ""
+    print(f"dashrun: preempted by {why}: {where}; run the same command{how} to continue", file=sys.stderr)
     return int(ExitCode.PREEMPTED)

@@ -33,7 +33,9 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240) -> subpro
 def test_killed_at_a_random_step_resumes_bit_identical(memd, tmp_path, reference):
     out = tmp_path / "out"
     cmd = dashrun_cmd(memd, str(TRAIN), *TRAIN_ARGS, "--out", str(out), "--delay", "0.05", job="random-kill")
-    kill_at = random.Random().randint(INTERVAL + 1, STEPS - 3)
+    seed = int(os.environ.get("DASH_TEST_SEED") or random.randrange(1 << 32))
+    print(f"kill point seed {seed} (DASH_TEST_SEED={seed} repeats it)")  # shown with a failure's output
+    kill_at = random.Random(seed).randint(INTERVAL + 1, STEPS - 3)
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: last_step(out) >= kill_at or launcher.poll() is not None, 180, f"step {kill_at}")

@@ -10,6 +10,7 @@ restoring run right after ``restore()`` (it has no step left to run).
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -117,7 +118,9 @@ def fsdp_reference(tmp_path_factory) -> dict[int, dict]:
 def test_fsdp_killed_at_a_random_step_resumes_bit_identical(memd, tmp_path, fsdp_reference):
     out = tmp_path / "out"
     cmd = dashrun_cmd(memd, str(SCRIPT), *FSDP_ARGS, "--out", str(out), "--delay", "0.1", job="fsdp-kill")
-    kill_at = random.Random().randint(INTERVAL + 1, STEPS - 3)
+    seed = int(os.environ.get("DASH_TEST_SEED") or random.randrange(1 << 32))
+    print(f"kill point seed {seed} (DASH_TEST_SEED={seed} repeats it)")  # shown with a failure's output
+    kill_at = random.Random(seed).randint(INTERVAL + 1, STEPS - 3)
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with memd.client() as client:

@@ -111,6 +111,15 @@ def test_without_memd_a_private_one_keeps_the_job_across_invocations(tmp_path):
     assert oct((tmp_path / "cache" / "dashrun" / "memd" / "token").stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_mistyped_command_is_named_with_the_one_meant(tmp_path):
+    typo = dashrun("stauts", "--json", cwd=tmp_path)
+    assert typo.returncode == 2 and typo.stderr.splitlines() == [
+        "dashrun: error: 'stauts' is neither a dashrun command nor a script here",
+        "dashrun: hint: did you mean: dashrun status --json"]
+    (tmp_path / "stauts").write_text("")  # a script of that name is launched, not corrected
+    assert "did you mean" not in dashrun("stauts", "--nproc-per-node", "x", cwd=tmp_path).stderr
+
+
 def test_a_missing_script_or_program_stops_the_launch_in_one_line(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     missing = dashrun("--nproc-per-node", "2", "no_such_train.py", "--steps", "3", env=env, cwd=tmp_path)
@@ -168,6 +177,9 @@ BAD_VALUES = [
     (["--memd", "127.0.0.1:7070"], "--memd needs --token-file"),
     (["--memd", "127.0.0.1:7070", "--token-file", "no-such-token"], "cannot read token file no-such-token"),
     (["--job-id", "../up"], "--job-id '../up' is not a valid job id"),
+    (["--job-id", ""], "--job-id is empty"),
+    (["--operator-key", "no-such-key"], "cannot read --operator-key no-such-key"),
+    (["--operator-key", "hosts"], "operator key hosts is open to group or others"),
     (["--cloud", "moon"], "argument --cloud: invalid choice: 'moon'"),
     (["--metadata-endpoint", "ftp://169.254.169.254"], "--metadata-endpoint 'ftp://169.254.169.254' is not an"),
     (["--metadata-endpoint", "http://169.254.169.254:99999"], "--metadata-endpoint 'http://169.254.169.254:99999'"),
@@ -356,7 +368,7 @@ def test_resume_relaunches_the_stored_spec_from_another_directory(memd, tmp_path
               "train.py", "--steps", "20", "--interval", "5", "--out", "out"]  # all relative to workdir
     crashed = run(launch, cwd=workdir, env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
     assert crashed.returncode == 1
-    resumed = dashrun("resume", "--job-id", "spec", *memd_args(memd), "--operator-pubkey", str(memd.operator_pubkey),
+    resumed = dashrun("resume", "spec", *memd_args(memd), "--operator-pubkey", str(memd.operator_pubkey),
                       cwd=elsewhere, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     starts = [line for line in (workdir / "out" / "rank1.log").read_text().splitlines() if line.startswith("start")]

@@ -17,6 +17,7 @@ from dashrun import __version__, env
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.restores import RestoreCache
 from dashrun.memd.config import cgroup_memory_limit, default_memory_limit
+from dashrun.util.units import format_size
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import Kind
@@ -187,6 +188,16 @@ def test_memd_refuses_a_missing_or_weak_token(tmp_path):
         result = subprocess.run(memd_cmd("start", "--data-dir", str(tmp_path / "d"), "--token-file", str(token)),
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "hint: create" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_memd_refuses_a_memory_limit_above_what_the_machine_lets_it_use(tmp_path, token_file):
+    usable = 2 * default_memory_limit()
+    result = subprocess.run(memd_cmd("start", "--data-dir", str(tmp_path / "d"), "--token-file", str(token_file),
+                                     "--memory-limit", "64TiB"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--memory-limit 64TiB (64.0 TiB) is more than this machine lets dash-memd use ({format_size(usable)}" \
+        in result.stderr, result.stderr
+    assert not (tmp_path / "d").exists()
 
 
 def test_memd_reports_a_busy_port(memd, tmp_path, token_file):

@@ -8,9 +8,11 @@ and an exit code.
 
 from __future__ import annotations
 
+import difflib
+import os
 import sys
 
-from dashrun.errors import DashError
+from dashrun.errors import DashError, UsageError
 from dashrun.launch import dispatch
 from dashrun.util.console import report, run_click, setup_logging
 
@@ -30,6 +32,17 @@ def main(argv: list[str] | None = None) -> None:
 
         run_click(commands.cli, PROGRAM, argv)
     try:
+        _refuse_a_mistyped_command(argv)
         sys.exit(dispatch.launch(argv))
     except DashError as e:
         sys.exit(report(PROGRAM, e))
+
+
+def _refuse_a_mistyped_command(argv: list[str]) -> None:
+    """``dashrun stauts``: a word like a command's, and no file of that name to launch, is a typo."""
+    if not argv or argv[0].startswith("-") or os.path.exists(argv[0]):
+        return
+    close = difflib.get_close_matches(argv[0], sorted(COMMANDS), n=1, cutoff=0.75)
+    if close:
+        raise UsageError(f"{argv[0]!r} is neither a dashrun command nor a script here",
+                         hint=f"did you mean: dashrun {close[0]} {' '.join(argv[1:])}".rstrip())

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -305,12 +306,15 @@ def gc(job, keep, memd, token_file) -> None:
 
 @cli.command()
 @click.argument("job")
+@click.option("--yes", is_flag=True, show_envvar=True, help="Do not ask first (on a terminal, rm asks).")
 @click.option("--force-live", is_flag=True, show_envvar=True,
               help="Delete JOB even while nodes of it are alive (they heartbeat in its rendezvous): they lose every "
                    "checkpoint and their rendezvous.")
 @memd_options
-def rm(job, force_live, memd, token_file) -> None:
+def rm(job, yes, force_live, memd, token_file) -> None:
     """Delete JOB: every checkpoint, its launch spec and its rendezvous. Refused while nodes of it are alive."""
+    if not yes and sys.stdin.isatty() and not click.confirm(f"delete every checkpoint of {_job(job)}?"):
+        raise SystemExit(1)
     with connect(memd, token_file) as client:
         deleted = client.delete(_job(job), 0, force_live=force_live)
     console.print(f"removed {job} ({len(deleted)} checkpoints)")
@@ -340,7 +344,9 @@ def _print_plan(job_id: str, spec, overrides: dict) -> None:
 
 
 @cli.command()
-@click.option("--job-id", envvar=env.JOB_ID.name, show_envvar=True, required=True, help="The job to resume.")
+@click.argument("job", required=False)
+@click.option("--job-id", envvar=env.JOB_ID.name, show_envvar=True, default=None,
+              help="The job to resume (or give it as JOB).")
 @click.option("--dry-run", is_flag=True, show_envvar=True,
               help="Check the stored spec and print what would run; run nothing.")
 @click.option("--operator-pubkey", envvar=env.OPERATOR_PUBKEY.name, show_envvar=True, default=None,
@@ -348,7 +354,7 @@ def _print_plan(job_id: str, spec, overrides: dict) -> None:
               help="The operator's public key (the .pub of dash-memd keys): only a spec it signed runs. Needed "
                    "with --memd; the private dash-memd's is its own.")
 @memd_options
-def resume(job_id, dry_run, operator_pubkey, memd, token_file) -> None:
+def resume(job, job_id, dry_run, operator_pubkey, memd, token_file) -> None:
     """Relaunch JOB on this node as it was launched, from its newest committed checkpoint.
 
     What a replacement Spot VM runs at boot: dash-memd keeps each job's command
@@ -356,6 +362,11 @@ def resume(job_id, dry_run, operator_pubkey, memd, token_file) -> None:
     launched (dashrun --operator-key); a spec whose signature does not check
     out, or that is older than one this node ran already, is never run.
     """
+    if job is not None and job_id is not None and job != job_id:
+        raise UsageError(f"JOB {job} and --job-id {job_id} name two jobs", hint="give one of them")
+    job_id = job or job_id
+    if job_id is None:
+        raise UsageError("resume needs the job", hint="dashrun resume JOB (or --job-id JOB)")
     if memd is not None and operator_pubkey is None:
         raise UsageError("resume needs --operator-pubkey with --memd: it runs only what the operator signed",
                          hint=f"copy the .pub file of dash-memd keys to this node and give its path (or "

@@ -194,6 +194,8 @@ def derive_job_id(script: str, script_args: list[str]) -> str:
 
 def job_id_from_args(args: argparse.Namespace) -> str:
     """``--job-id``, or the one derived from the script and its arguments; UsageError if it is not valid."""
+    if args.job_id == "":  # said, and empty: not the same as not said
+        raise UsageError("--job-id is empty", hint="name the job, or leave --job-id out to derive one")
     job_id = args.job_id or derive_job_id(args.training_script, args.training_script_args)
     if not valid_job_id(job_id):
         raise UsageError(f"--job-id {job_id!r} is not a valid job id",
@@ -257,9 +259,10 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     check_values(args)
     if args.weak_token_ok:  # read where the token is: here, in dash-agent and in the ranks
         os.environ[env.WEAK_TOKEN_OK.name] = "1"
-    operator_key = Path(args.operator_key).absolute() if args.operator_key else None
-    if operator_key is not None:
-        load_private_key(operator_key)
+    operator_key = None
+    if args.operator_key:
+        load_private_key(args.operator_key)  # its errors name it as it was typed
+        operator_key = Path(args.operator_key).absolute()
     _require_devices(args.nproc_per_node)
     require_script(args)
     job_id = job_id_from_args(args)

@@ -171,7 +171,7 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
     return MemdConfig(
         host=host, port=port, data_dir=Path(data_dir),
-        memory_limit=parse_size(memory_limit) if memory_limit else default_memory_limit(),
+        memory_limit=_memory_limit(memory_limit),
         token=read_token(token_file), keep_ram=keep_ram, keep_disk=keep_disk, s3=s3, keep_object=keep_object,
         upload_queue=upload_queue,
         max_connections=max_connections, max_unauthenticated=max_unauthenticated, auth_timeout=auth_timeout,
@@ -180,6 +180,19 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
         no_tls=no_tls, insecure_plaintext=insecure_plaintext, tls_cert=Path(tls_cert) if tls_cert else None, tls_key=Path(tls_key) if tls_key else None,
         parent_pid=parent_pid,
     )
+
+
+def _memory_limit(value: str | None) -> int:
+    """``--memory-limit``, refused above the memory this process may use (the RAM, or its cgroup's limit)."""
+    if not value:
+        return default_memory_limit()
+    limit = parse_size(value)
+    usable = 2 * default_memory_limit()
+    if limit > usable:
+        raise UsageError(f"--memory-limit {value} ({format_size(limit)}) is more than this machine lets dash-memd "
+                         f"use ({format_size(usable)}, its RAM or its cgroup's limit)",
+                         hint=f"give at most {format_size(usable)}; half of it is the default")
+    return limit
 
 
 def run(config: MemdConfig) -> int:

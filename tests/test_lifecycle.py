@@ -110,7 +110,7 @@ class MemoryBucket:
     def steps(self, job: str) -> list[int]:
         return sorted(step for (j, step) in self.steps_held if j == job)
 
-    def read_manifest(self, job: str, step: int) -> CheckpointInfo:
+    def read_manifest(self, job: str, step: int, *, signed: bool = True) -> CheckpointInfo:  # as ObjectTier's
         raw = self.steps_held.get((job, step), {}).get(MANIFEST)
         if raw is None:
             raise NotFoundError(f"{job} step {step} is not in the object store")

@@ -68,7 +68,7 @@ def weak_token_ok() -> bool:
 
 def _strong(token: bytes) -> bool:
     """64 hex digits showing no pattern, or a job's credential (whose key is derived, 32 bytes)."""
-    if token.startswith(b"dashrun-job-v1 "):
+    if token.startswith(b"dashrun-job-v1 "):  # dashrun.wire.credentials.JOB_CREDENTIAL_TAG (util imports no wire)
         return True
     return (len(token) == 64 and all(c in b"0123456789abcdefABCDEF" for c in token)
             and token_weakness(token) is None)

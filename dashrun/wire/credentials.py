@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import stat
 from pathlib import Path
 
 from dashrun.errors import UsageError
+from dashrun.util.files import write_new
 from dashrun.wire.protocol import valid_job_id
 
 __all__ = ["JOB_CREDENTIAL_TAG", "Credential", "job_key", "write_job_credential"]
@@ -87,21 +87,14 @@ class Credential:
         return b"%s %s %s\n" % (JOB_CREDENTIAL_TAG, self.job.encode(), self.key.hex().encode())
 
 
-def write_job_credential(credential: Credential, path: str | os.PathLike, *, exclusive: bool = True) -> Path:
-    """Write a job's credential to ``path``, readable by its owner only, complete or not at all."""
+def write_job_credential(credential: Credential, path: str | os.PathLike) -> Path:
+    """Write a job's credential to ``path``, readable by its owner only, complete or not at all; never over a
+    file there (FileExistsError)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    fd = os.open(tmp, flags, stat.S_IRUSR | stat.S_IWUSR)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(credential.file_bytes())
-            f.flush()
-            os.fsync(f.fileno())
-        if exclusive:
-            os.link(tmp, path)  # never replaces a file there: EEXIST
-        else:
-            os.replace(tmp, path)
+        write_new(tmp, credential.file_bytes(), 0o600)
+        os.link(tmp, path)  # whole at once, and never over a file there: EEXIST
     finally:
         tmp.unlink(missing_ok=True)
     return path

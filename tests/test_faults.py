@@ -31,8 +31,9 @@ from runs import assert_identical, last_step, starts
 from dashrun.errors import DashError
 from dashrun.memd.tiers.base import MANIFEST
 from dashrun.memd.tiers.disk import DiskTier
-from dashrun.wire.messages import ShardHeader
 from dashrun.wire import image
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.planner import MemdSource, Planner, everything
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +106,7 @@ def receiving(memd, job: str) -> list[int]:
 
 
 def verify_all(memd, job: str) -> list[int]:
-    """Read back every checkpoint dash-memd lists, every shard checked against its CRC-32C; their steps."""
+    """Read back every checkpoint dash-memd lists, whole, every piece checked against its CRC-32C; their steps."""
     steps = []
     with memd.client() as client:
         for step in committed(memd, job):
@@ -113,7 +114,7 @@ def verify_all(memd, job: str) -> list[int]:
             if info is None:  # deleted by retention since the listing
                 continue
             tails, size = image.layout(info)
-            image.fetch(client, info, memoryview(bytearray(max(size, 1))), tails)
+            Planner([MemdSource(client.another)]).read(info, everything(info, tails), memoryview(bytearray(size)))
             steps.append(step)
     return steps
 

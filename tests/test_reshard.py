@@ -3,6 +3,7 @@ and what a peer may ask for (the full paths run in tests/test_sharded.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -213,6 +214,9 @@ def test_an_export_of_a_step_gone_while_it_is_read_says_so_and_lets_go_of_its_me
     class Client:  # a dash-memd that drops the step between LATEST and its bytes (retention, dashrun rm)
         def latest(self, job, step=None):
             return info
+
+        def another(self):  # the export's own connections, which read the bytes
+            return contextlib.nullcontext(self)
 
         def get_shard_checked_into(self, job, step, rank, views, offset=0, committed_at=None):
             assert views is not None  # this frame holds them (an argument), as a receive in progress does

@@ -358,3 +358,33 @@ def test_only_a_node_of_one_rank_without_a_gpu_skips_the_fetch_ahead():
 
     assert fetch_ahead(2) and fetch_ahead(8)  # one download into the image serves every local rank
     assert fetch_ahead(1) == torch.cuda.is_available()  # alone on a CPU, the rank reads straight into its tensors
+
+
+def test_an_export_reads_every_byte_once_through_the_planner_over_connections_of_its_own(stack, rank_env,
+                                                                                       monkeypatch):
+    """``dashrun export`` reads as a restore does: every byte of the step once, in pieces over several connections
+    (not the caller's), telling its progress up to the checkpoint's size."""
+    from dashrun.launch import export
+
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "exported", 2, 6, model, opt, sched, [3, 4])
+    monkeypatch.setattr(planner, "PIECE", 4096)
+    made = []
+    real_another = MemdClient.another
+
+    def another(self):
+        made.append(real_another(self))
+        return made[-1]
+
+    monkeypatch.setattr(MemdClient, "another", another)
+    told = []
+    with memd.client() as client:
+        info = client.latest("exported")
+        reads = Reads(monkeypatch)
+        _, state = export.fetch_state(client, "exported", None, lambda done, total: told.append((done, total)))
+    assert reads.nbytes == info.nbytes and len(reads.calls) > 2 * len(info.shards)
+    assert len(made) >= 2 and client not in made
+    assert told[-1] == (info.nbytes, info.nbytes) and [d for d, _ in told] == sorted(d for d, _ in told)
+    assert all(torch.equal(value, model.state_dict()[key]) for key, value in state["model"].items())
+    assert [state["per_rank"][r]["data"]["position"] for r in ("0", "1")] == [3, 4]

@@ -11,6 +11,11 @@ writes a directory for ``torch.distributed.checkpoint.load``. Either appears
 whole or not at all (temp name, fsync, rename). A checkpoint that
 :class:`dashrun.dcp.Writer` wrote is exported as ``dcp.load`` gives it to one
 process (every tensor whole, nested as saved), with ``dashrun`` beside it.
+
+The bytes come as a rank's restore reads them: through the source planner
+(:mod:`dashrun.wire.planner`), each checked piece over one of several
+connections at once, into one image laid out as :mod:`dashrun.wire.image`
+says.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ from dashrun.util.files import fsync_dir
 from dashrun.wire import image
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
+from dashrun.wire.planner import MemdSource, Planner, everything
 
-__all__ = ["FORMATS", "fetch_state", "write"]
+__all__ = ["FORMATS", "STREAMS", "fetch_state", "write"]
 
 FORMATS = ("torch", "dcp")
+#: Most connections an export receives over at once (decrypting on as many cores), as a rank's direct read.
+STREAMS = 4
 
 
 def fetch_state(client: MemdClient, job: str, step: int | None,
@@ -64,9 +72,13 @@ def fetch_state(client: MemdClient, job: str, step: int | None,
             if progress:
                 progress(done, info.nbytes)
 
+        # Several connections of its own to the caller's dash-memd at once: one shard's receive and decryption
+        # run on as many cores, and a checkpoint of many ranks is not read one shard after the other.
+        source = MemdSource(client.another, streams=min(STREAMS, max(2, len(os.sched_getaffinity(0)))),
+                            progress=advance)
         try:
             with memoryview(mapped) as view:
-                image.fetch(client, info, view, tails, advance)
+                Planner([source]).read(info, everything(info, tails), view)
             state = _decode(mapped, info, tails)
         except DashError as e:  # (the step gone since LATEST, say): raised once the mapping is closed
             failure = e.with_traceback(None)  # its frames hold views of the mapping, which could not close then

@@ -3,18 +3,18 @@
 Layout: the replicated state first (``rep_total`` bytes, every rank's slice
 in place), then each saved rank's tail — its private tensors and its layout
 description — at a 64-byte aligned offset. The agent fetches into a memfd
-that every local rank maps; ``dashrun export`` fetches into memory.
+that every local rank maps; ``dashrun export`` reads into memory (both
+through :mod:`dashrun.wire.planner`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from dashrun.util.boundedjson import loads_bounded
-from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["MAX_META_DEPTH", "fetch", "layout", "meta"]
+__all__ = ["MAX_META_DEPTH", "layout", "meta"]
 
 _ALIGN = 64
 #: Deepest nesting accepted in a layout description. It mirrors the state dict's own nesting (up to three
@@ -34,18 +34,6 @@ def layout(info: CheckpointInfo) -> tuple[list[int], int]:
         tails.append(position)
         position = _align(position + shard.private_len + shard.meta_len)
     return tails, position
-
-
-def fetch(client: MemdClient, info: CheckpointInfo, image: memoryview, tails: list[int],
-          progress: Callable[[int], None] | None = None) -> None:
-    """Receive every shard of ``info`` into its place in ``image``; each shard's CRC-32C is verified."""
-    for shard, tail in zip(info.shards, tails):
-        client.get_shard_checked_into(info.job, info.step, shard.rank, [
-            image[shard.rep_start:shard.rep_end],
-            image[tail:tail + shard.private_len + shard.meta_len],
-        ], committed_at=info.committed_at)
-        if progress:
-            progress(shard.nbytes)
 
 
 def meta(image, info: CheckpointInfo, tails: list[int], rank: int) -> dict[str, Any]:

@@ -75,6 +75,12 @@ class MemdClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def another(self) -> MemdClient:
+        """A client of the same dash-memd, logged in as this one and with its settings, on a connection of its
+        own (made on its first request): to read over several at once."""
+        return MemdClient(self.host, self.port, self._token, timeout=self.timeout,
+                          connect_timeout=self.connect_timeout, tls=self.tls)
+
     def close(self) -> None:
         if self._ch is not None:
             self._ch.close()

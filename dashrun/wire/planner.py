@@ -21,7 +21,8 @@ ranges that each land in memory of their own, as when the only rank of a node
 reads the replicated state straight into its tensors.
 
 Used by dash-agent for a node's restores, by the only rank of a node for its
-replicated state (:mod:`dashrun.rank.direct`), and by :class:`dashrun.dcp.Reader`.
+replicated state (:mod:`dashrun.rank.direct`), by :class:`dashrun.dcp.Reader`,
+and by ``dashrun export`` (:func:`everything`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from dashrun.errors import ProtocolError
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Scatter", "Source", "every_cpu", "pieces",
-           "replicated_span", "wanted", "widen_once"]
+__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Scatter", "Source", "every_cpu", "everything",
+           "pieces", "replicated_span", "wanted", "widen_once"]
 
 #: Largest byte range read in one request from dash-memd: small enough to spread one shard over every
 #: stream, large enough that a request's round trip is lost in its transfer.
@@ -107,6 +108,14 @@ def pieces(info: CheckpointInfo, tails: Sequence[int], ranges: Iterable[tuple[in
             rep = shard.rep_end - shard.rep_start
             extents.append(Extent(rank, rep + start, rep + stop, tails[rank] + start))
     return extents
+
+
+def everything(info: CheckpointInfo, tails: Sequence[int]) -> list[Extent]:
+    """Every byte of ``info``: what a node needs for every saved rank (:func:`wanted`), and every saved rank's
+    pieces of sharded state (:func:`pieces`), as an export reads it whole."""
+    return wanted(info, tails, None) + pieces(info, tails, [
+        (shard.rank, shard.private_len - shard.pieces_len, shard.private_len)
+        for shard in info.shards if shard.pieces_len])
 
 
 def replicated_span(info: CheckpointInfo, start: int, stop: int, at: int = 0) -> list[Extent]:
@@ -181,16 +190,18 @@ class MemdSource:
     """dash-memd, over up to ``streams`` connections at once (each made by ``connect``, closed after).
 
     Its threads stay on dash-agent's CPUs until ``waited_on()`` says a rank waits for the bytes; from then on
-    they may run on every CPU (see :func:`every_cpu`).
+    they may run on every CPU (see :func:`every_cpu`). ``progress(nbytes)``, if given, is told each piece once it
+    is in place, by one thread at a time.
     """
 
     name = "dash-memd"
 
     def __init__(self, connect: Callable[[], ContextManager[MemdClient]], streams: int = 2,
-                 waited_on: Callable[[], bool] = lambda: True):
+                 waited_on: Callable[[], bool] = lambda: True, progress: Callable[[int], None] | None = None):
         self.connect = connect
         self.streams = max(1, streams)
         self.waited_on = waited_on
+        self.progress = progress
 
     def holds(self, info: CheckpointInfo, extent: Extent) -> bool:
         return True  # the checkpoint is committed: dash-memd has every byte of it in one of its tiers
@@ -203,6 +214,7 @@ class MemdSource:
                 pieces.put(piece)
                 count += 1
         failures: list[BaseException] = []
+        told = threading.Lock()
 
         def stream() -> None:
             widen = widen_once(self.waited_on)
@@ -217,6 +229,9 @@ class MemdSource:
                         client.get_shard_checked_into(info.job, info.step, piece.rank,
                                                       _views_of(image, piece.at, piece.at + piece.nbytes),
                                                       offset=piece.start, committed_at=info.committed_at)
+                        if self.progress is not None:
+                            with told:
+                                self.progress(piece.nbytes)
             except BaseException as e:  # the first failure stops every stream, and is raised
                 failures.append(e)
 

@@ -4,7 +4,7 @@ A node downloads the state once however many ranks it runs: the first
 RESTORE of a (job, step) fetches what the node's ranks need (every slice of
 the replicated state, and their own private parts; see
 :func:`dashrun.wire.planner.wanted`) through the source planner into a new
-memfd segment laid out as :mod:`dashrun.wire.image` says, and the node's
+memfd segment laid out as :mod:`dashrun.wire.layout` says, and the node's
 other ranks are handed descriptors of the same segment; a rank whose private
 part is not in it yet has it fetched into place first. The only rank of a
 node may instead read the replicated state from dash-memd itself (``direct``),
@@ -33,7 +33,7 @@ from typing import Callable, Collection, Iterator
 from dashrun.agent.config import AgentConfig
 from dashrun.errors import ChecksumError, DashError, NotFoundError
 from dashrun.util.files import unmap
-from dashrun.wire import image
+from dashrun.wire import layout
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.planner import Extent, MemdSource, NodeCopy, Planner, pieces, replicated_span, wanted, widen_once
@@ -234,7 +234,7 @@ class RestoreCache:
 
     def _fetch(self, info: CheckpointInfo, ranks: Collection[int] | None,
                ranges: Collection[tuple[int, int, int]] = (), replicated: bool = True) -> RestoreImage:
-        tails, size = image.layout(info)
+        tails, size = layout.image_tails(info)
         fd = os.memfd_create(f"dashrun-restore-{info.job}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, max(size, 1))

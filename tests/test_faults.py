@@ -31,7 +31,7 @@ from runs import assert_identical, last_step, starts
 from dashrun.errors import DashError
 from dashrun.memd.tiers.base import MANIFEST
 from dashrun.memd.tiers.disk import DiskTier
-from dashrun.wire import image
+from dashrun.wire import layout
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.planner import MemdSource, Planner, everything
 
@@ -113,7 +113,7 @@ def verify_all(memd, job: str) -> list[int]:
             info = client.latest(job, step)
             if info is None:  # deleted by retention since the listing
                 continue
-            tails, size = image.layout(info)
+            tails, size = layout.image_tails(info)
             Planner([MemdSource(client.another)]).read(info, everything(info, tails), memoryview(bytearray(size)))
             steps.append(step)
     return steps

@@ -9,7 +9,7 @@ from runs import Cursor
 
 from dashrun.rank import statetree
 from dashrun.rank.snapshot import BUFFERS, capture
-from dashrun.rank.stager import split
+from dashrun.wire.layout import split
 
 pytestmark = pytest.mark.slow  # a real dash-memd and dash-agent; DistributedDataParallel's first start
 

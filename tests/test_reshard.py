@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dashrun.errors import ProtocolError, UnavailableError, UsageError
 from dashrun.rank import sharded, statetree
-from dashrun.wire import image
+from dashrun.wire import layout
 from dashrun.wire.agent_messages import MAX_RANGES, RestoreRequest
 from dashrun.wire.messages import CheckpointInfo, ShardHeader
 from dashrun.wire.planner import pieces, wanted
@@ -109,7 +109,7 @@ def header(rank: int, private: int, pieces_len: int) -> ShardHeader:
 
 def test_a_node_fetches_every_layout_description_but_no_piece_of_sharded_state_until_a_rank_asks():
     info = info_of([header(0, 1000, 900), header(1, 800, 800)])
-    tails, _ = image.layout(info)
+    tails, _ = layout.image_tails(info)
     got = wanted(info, tails, ranks=[1])
     shard0, shard1 = info.shards
     assert sorted((e.rank, e.start, e.stop) for e in got) == [

@@ -12,7 +12,7 @@ from test_checkpointer import fresh_objects, same_state, save_world, trained_obj
 
 from dashrun.agent.restores import ClientPool
 from dashrun.errors import NotFoundError, ProtocolError, UnavailableError
-from dashrun.wire import image, planner
+from dashrun.wire import layout, planner
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import RestoreRequest
 from dashrun.wire.memd_client import MemdClient
@@ -91,7 +91,7 @@ def test_a_large_shard_is_read_in_pieces_over_several_streams_into_place(memd):
     with memd.client() as client:
         one_rank_checkpoint(client, "pieces", payload)
         info = client.latest("pieces")
-    tails, size = image.layout(info)
+    tails, size = layout.image_tails(info)
     into = bytearray(size)
     served = Planner([MemdSource(memd.client, streams=3)]).read(info, wanted(info, tails, None), memoryview(into))
     assert served == {"dash-memd": len(payload)}
@@ -104,7 +104,7 @@ def test_a_node_fetches_the_replicated_state_and_only_its_own_ranks_private_part
     save_world(rank_env, agent, "sparse", 4, 6, model, opt, sched, [10, 11, 12, 13])
     with memd.client() as client:
         info = client.latest("sparse")
-    tails, _ = image.layout(info)
+    tails, _ = layout.image_tails(info)
     extents = wanted(info, tails, range(2, 4))
     tail_ranks = {e.rank for e in extents if e.at >= tails[0]}
     assert tail_ranks == {0, 2, 3}  # rank 0's describes the replicated state
@@ -112,7 +112,7 @@ def test_a_node_fetches_the_replicated_state_and_only_its_own_ranks_private_part
     assert sum(e.nbytes for e in wanted(info, tails, None)) == info.nbytes
 
     # What this node holds is not read again; the rest comes from dash-memd.
-    into = bytearray(image.layout(info)[1])
+    into = bytearray(layout.image_tails(info)[1])
     held = NodeCopy(extents)
     served = Planner([held, MemdSource(memd.client)]).read(info, wanted(info, tails, None), memoryview(into))
     assert served == {"this node": sum(e.nbytes for e in extents),

@@ -40,7 +40,7 @@ from dashrun.dcp.target import Connected, Target, step_of
 from dashrun.errors import NotFoundError, ProtocolError, UsageError
 from dashrun.rank.sharded import byte_runs, joined
 from dashrun.rank.staging import bytes_of
-from dashrun.util.boundedjson import loads_bounded
+from dashrun.wire import layout
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.planner import MemdSource, Planner, pieces
@@ -304,11 +304,8 @@ def describe_dcp(client: MemdClient, info: CheckpointInfo) -> dict[str, Any] | N
     meta = bytearray(shard.meta_len)
     client.get_shard_into(info.job, info.step, 0, [memoryview(meta)],
                           offset=shard.rep_end - shard.rep_start + shard.private_len, committed_at=info.committed_at)
-    try:
-        description = loads_bounded(meta, MAX_META_DEPTH)
-    except ValueError as e:
-        raise ProtocolError(f"{info.job} step {info.step}: unreadable description: {e}") from None
-    dcp = description.get("dcp") if isinstance(description, dict) else None
+    description = layout.decode(meta, f"{info.job} step {info.step}", max_depth=MAX_META_DEPTH)
+    dcp = description.get("dcp")
     if not isinstance(dcp, dict):
         return None
     if dcp.get("format") != FORMAT:

@@ -2,7 +2,7 @@
 
 Every rank of DCP's process group sends one shard, with no replicated part
 (``rep_total`` 0): its write items' bytes one after the other are its private
-part, and its description (JSON) lists them under ``"dcp"``. The coordinator's
+part, and its description (:mod:`dashrun.wire.layout`) lists them under ``"dcp"``. The coordinator's
 ``prepare_global_plan`` gives each rank its place and a layout digest of every
 rank's items; DCP calls ``finish`` on the coordinator only after every rank's
 ``write_data``, so the other ranks send their shards from ``write_data`` and
@@ -31,13 +31,12 @@ from dashrun.dcp.metadata import FORMAT, Where, describe_metadata, index_json
 from dashrun.dcp.target import Connected, Target, step_of
 from dashrun.errors import NotFoundError, UsageError
 from dashrun.rank.staging import bytes_of
+from dashrun.wire import layout
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["COMMIT_TIMEOUT", "Writer"]
 
-#: The dashrun description format the shards follow (dashrun.rank.stager.META_FORMAT).
-_META_FORMAT = 1
 #: How long ``dcp.save`` waits for dash-memd to commit the step after the coordinator's shard is stored.
 COMMIT_TIMEOUT = 300.0
 
@@ -67,7 +66,7 @@ class Writer(Connected, StorageWriter):
 
     _UNPICKLED = ("_client", "_link", "_pending")
     _link = None
-    _pending: tuple[ShardHeader, list[Any], dict[str, Any]] | None = None
+    _pending: tuple[ShardHeader, list[Any], dict[str, Any]] | None = None  # (header, parts, the "dcp" part)
 
     def __init__(self, job: str | None = None, memd: str | tuple[str, int] | None = None,
                  token_file: str | os.PathLike | None = None, *, step: int | None = None,
@@ -102,9 +101,9 @@ class Writer(Connected, StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Every rank announces the same layout digest; this one names every item of every rank, in order.
         described = [[index_json(item.index) for item in plan.items] for plan in plans]
-        layout = hashlib.sha256(json.dumps(["dashrun.dcp", FORMAT, described], separators=(",", ":"))
+        digest = hashlib.sha256(json.dumps(["dashrun.dcp", FORMAT, described], separators=(",", ":"))
                                 .encode()).hexdigest()
-        return [dataclasses.replace(plan, storage_data=_PlanInfo(rank, len(plans), layout))
+        return [dataclasses.replace(plan, storage_data=_PlanInfo(rank, len(plans), digest))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -129,18 +128,12 @@ class Writer(Connected, StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=Where(where.rank, position, length)))
             position += length
-        description = {
-            "format": _META_FORMAT, "step": self.step, "rank": where.rank, "world": where.world,
-            # An ordinary dashrun description with nothing in it: dashrun's own restore finds no state here.
-            "replicated": {"tree": {}, "tensors": [], "total": 0} if where.rank == 0 else None,
-            "private": {"tree": {}, "tensors": []},
-            "dcp": {"format": FORMAT, "items": items},
-        }
+        dcp_part = {"format": FORMAT, "items": items}  # the coordinator's gets DCP's metadata in finish()
         header = ShardHeader(job=self.job, step=self.step, rank=where.rank, world=where.world, rep_total=0,
                              rep_start=0, rep_end=0, private_len=position, meta_len=0, layout=where.layout,
                              pieces_len=position,  # every item is read by byte range, never a node's whole part
                              generation=self._target.generation)
-        self._pending = (header, parts, description)
+        self._pending = (header, parts, dcp_part)
         if not self.is_coordinator:  # the coordinator sends its own from finish(), with the global metadata
             self._send()
         future: Future[list[WriteResult]] = Future()
@@ -155,12 +148,15 @@ class Writer(Connected, StorageWriter):
             storage.update({r.index: r.storage_data for r in rank_results})
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        self._pending[2]["dcp"]["metadata"] = describe_metadata(metadata)
+        self._pending[2]["metadata"] = describe_metadata(metadata)
         self._send(wait_commit=True)
 
     def _send(self, wait_commit: bool = False) -> None:
-        header, parts, description = self._pending
-        meta = json.dumps(description, separators=(",", ":"), allow_nan=False).encode()
+        header, parts, dcp_part = self._pending
+        # An ordinary dashrun description with nothing in it (dashrun's own restore finds no state here), and DCP's.
+        meta = layout.encode(step=header.step, rank=header.rank, world=header.world,
+                             private=layout.private_part({}, []), dcp=dcp_part,
+                             replicated=layout.replicated_part({}, [], 0) if header.rank == 0 else None)
         header = dataclasses.replace(header, meta_len=len(meta))
         views = [bytes_of(p.view(-1).view(torch.uint8)) if isinstance(p, torch.Tensor) else p for p in parts]
         views.append(memoryview(meta))

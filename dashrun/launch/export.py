@@ -14,8 +14,8 @@ process (every tensor whole, nested as saved), with ``dashrun`` beside it.
 
 The bytes come as a rank's restore reads them: through the source planner
 (:mod:`dashrun.wire.planner`), each checked piece over one of several
-connections at once, into one image laid out as :mod:`dashrun.wire.image`
-says.
+connections at once, into one image laid out as :mod:`dashrun.wire.layout`
+says, which also refuses a checkpoint of another layout format.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dashrun.errors import DashError, NotFoundError, ProtocolError, UsageError
 from dashrun.rank import sharded, statetree
 from dashrun.rank.restore import decode_private, decode_replicated, saved_pieces
 from dashrun.util.files import fsync_dir
-from dashrun.wire import image
+from dashrun.wire import layout
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.planner import MemdSource, Planner, everything
@@ -61,7 +61,7 @@ def fetch_state(client: MemdClient, job: str, step: int | None,
             progress(info.nbytes, info.nbytes)
         state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}
         return info, state
-    tails, size = image.layout(info)
+    tails, size = layout.image_tails(info)
     failure = None
     with mmap.mmap(-1, max(size, 1)) as mapped:
         done = 0
@@ -92,7 +92,7 @@ def _decode(mapped: mmap.mmap, info: CheckpointInfo, tails: list[int]) -> dict[s
     """The state in the fetched image ``mapped``, as owned tensors; sharded tensors whole."""
     region = torch.frombuffer(mapped, dtype=torch.uint8)
     state = decode_replicated(region, mapped, info, tails, copy=True)
-    described = image.meta(mapped, info, tails, 0)["replicated"].get("sharded")
+    described = layout.description_in(mapped, info, tails, 0)["replicated"].get("sharded")
     if described:  # each sharded tensor whole, from every rank's pieces, which are let go as they are copied
         def release(start: int, stop: int) -> None:
             first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, stop // mmap.PAGESIZE * mmap.PAGESIZE

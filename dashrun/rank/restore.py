@@ -2,7 +2,8 @@
 
 The agent fetches a committed checkpoint from dash-memd once per node and
 hands every rank of the node the same image by descriptor, laid out as
-:mod:`dashrun.wire.image` says. The ranks load the oldest of the steps they
+:mod:`dashrun.wire.layout` says (which also refuses a checkpoint of another
+layout format, one a newer dashrun wrote). The ranks load the oldest of the steps they
 found, so all of them resume from the same checkpoint. The replicated state
 is rebuilt from every saved rank's slice whatever the new world size; private
 state (``per_rank`` objects, RNG states) goes to the rank with the same
@@ -42,7 +43,7 @@ from dashrun.rank.mismatch import mismatch_hint, must_fit
 from dashrun.rank.notices import in_process_group
 from dashrun.rank.snapshot import BUFFERS
 from dashrun.util.retry import Backoff, retry
-from dashrun.wire import image
+from dashrun.wire import layout
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import MAX_RANGES, RestoreReply, RestoreRequest
 from dashrun.wire.channel import Frame
@@ -71,7 +72,7 @@ def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails:
     Module buffers are saved rank ``rank``'s where it kept its own
     (DDP with ``broadcast_buffers=False``, a sharded model), rank 0's otherwise.
     """
-    rep = image.meta(mapped, info, tails, 0)["replicated"]
+    rep = layout.description_in(mapped, info, tails, 0)["replicated"]
     if leaves is None:
         leaves = statetree.materialize(rep["tensors"], region[:info.rep_total], copy=copy)
     state = statetree.unflatten(rep["tree"], leaves)
@@ -87,7 +88,7 @@ def decode_replicated(region: torch.Tensor, mapped, info: CheckpointInfo, tails:
 def decode_private(region: torch.Tensor, mapped, info: CheckpointInfo, tails: Sequence[int],
                    rank: int) -> dict[str, Any]:
     """Saved rank ``rank``'s own state (per-rank objects and ``$rng``), as owned tensors."""
-    mine = image.meta(mapped, info, tails, rank)["private"]
+    mine = layout.description_in(mapped, info, tails, rank)["private"]
     start = tails[rank]
     return statetree.unflatten(mine["tree"], statetree.materialize(
         mine["tensors"], region[start:start + info.shards[rank].private_len], copy=True))
@@ -280,7 +281,7 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
     if not reply.direct:
         populate(mapped, info.rep_total)
     region = torch.frombuffer(mapped, dtype=torch.uint8)
-    meta = image.meta(mapped, info, tails, 0)
+    meta = layout.description_in(mapped, info, tails, 0)
     if "dcp" in meta:
         raise UsageError(f"checkpoint of step {info.step} of job {job_id} was written by dcp.save through "
                          "dashrun.dcp.Writer, not by a Checkpointer",
@@ -304,7 +305,7 @@ def load(reply: RestoreReply, fd: int, objects: Mapping[str, Any], per_rank: Col
             raise RestoreMismatchError(f"job {job_id}'s checkpoint of step {info.step} has no state for {name}= "
                                        "(the run that saved it passed other keyword objects to Checkpointer)",
                                        hint=mismatch_hint(job_id))
-    rep = image.meta(mapped, info, tails, 0)["replicated"]
+    rep = meta["replicated"]
     if rep.get("sharded"):
         try:
             _reshard(rep["sharded"], replicated, mapped, info, tails, objects, per_rank, owners, read_pieces, stats)
@@ -331,7 +332,7 @@ def saved_pieces(mapped, info: CheckpointInfo, tails: Sequence[int],
     """Every saved rank's pieces of sharded state, by leaf, each checked against the shard that holds it."""
     found: dict[int, list[sharded.SavedPiece]] = {}
     for shard in info.shards:
-        entries = image.meta(mapped, info, tails, shard.rank)["private"].get("pieces", [])
+        entries = layout.description_in(mapped, info, tails, shard.rank)["private"].get("pieces", [])
         start = shard.private_len - shard.pieces_len
         for entry in entries if isinstance(entries, list) else [None]:
             try:

@@ -6,9 +6,10 @@ Order of operations for one snapshot, on the stager's one thread:
    if both are still busy the snapshot is skipped, never waited for, unless
    forced.
 2. :meth:`Stager.layout` describes the shard (the rank's slice of the
-   replicated bytes, its private bytes, the JSON description at the end),
-   makes its :class:`~dashrun.wire.messages.ShardHeader`, sizes the buffer and
-   lists the copies to make.
+   replicated bytes, its private bytes, the JSON description at the end, as
+   :mod:`dashrun.wire.layout` lays them out), makes its
+   :class:`~dashrun.wire.messages.ShardHeader`, sizes the buffer and lists the
+   copies to make.
 3. The buffer goes to the agent by descriptor (SNAPSHOT) before a byte is
    copied; the copy runs in shard order and PROGRESS tells the agent how far
    it may stream. On CPU the copy checksums as it goes (dashrun's C helper,
@@ -32,7 +33,6 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import struct
@@ -47,17 +47,17 @@ from dashrun.rank import staging, statetree
 from dashrun.rank.snapshot import SaveStats, SharedBuffer, Snapshot
 from dashrun.util.faults import crash_point
 from dashrun.util.problems import ProblemLog
+from dashrun.wire import layout
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import Progress, SnapshotReply, SnapshotRequest
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import Kind
 
-__all__ = ["FORCED_SAVE_TIMEOUT", "LOOK_AGAIN", "MAX_SET_ASIDE", "META_FORMAT", "PIECE", "PROGRESS_EVERY", "SAVE",
-           "STORE", "Stager", "lend", "lent_out", "split"]
+__all__ = ["FORCED_SAVE_TIMEOUT", "LOOK_AGAIN", "MAX_SET_ASIDE", "PIECE", "PROGRESS_EVERY", "SAVE", "STORE", "Stager",
+           "lend", "lent_out"]
 
 log = logging.getLogger(__name__)
 
-META_FORMAT = 1
 #: How long save(force=True) waits for a buffer before giving up on the snapshot.
 FORCED_SAVE_TIMEOUT = 120.0
 #: The background copy works in pieces of this size, and tells the agent its progress about this often.
@@ -95,13 +95,6 @@ def lent_out(fd: int) -> bool:
     """Whether a descriptor :func:`lend` made of the segment ``fd`` is still held anywhere (its lock stands)."""
     held = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
     return struct.unpack(_FLOCK, held)[0] != fcntl.F_UNLCK
-
-
-def split(total: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank's [start, end) of ``total`` replicated bytes; cut points 64-byte aligned."""
-    def cut(r: int) -> int:
-        return min(total, statetree.align(total * r // world))
-    return cut(rank), cut(rank + 1)
 
 
 class Stager:
@@ -217,30 +210,21 @@ class Stager:
     def layout(self, snapshot: Snapshot) -> list[Copy]:
         """Describe the shard, put it in a buffer, return its copies: (leaf, first, end, shard offset)."""
         rep_offsets, rep_total = statetree.plan(snapshot.rep_leaves)
-        rep_desc = {"tree": snapshot.rep_tree, "tensors": statetree.describe(snapshot.rep_leaves, rep_offsets),
-                    "total": rep_total}
-        if snapshot.sharded:
-            rep_desc["sharded"] = snapshot.sharded
-        # Keys in their order, never sorted: state dicts are ordered, and restore gives them back as they were.
-        rep_json = json.dumps(rep_desc, separators=(",", ":")).encode()
+        rep_json = layout.replicated_part(snapshot.rep_tree, statetree.describe(snapshot.rep_leaves, rep_offsets),
+                                          rep_total, snapshot.sharded)
         priv_offsets, own_len = statetree.plan(snapshot.priv_leaves)
         # This rank's pieces of sharded state close its private part, so a restore can leave them out of what
         # every node fetches and read only the ranges it needs (see dashrun.rank.sharded).
         piece_offsets, pieces_len = statetree.plan(snapshot.piece_leaves)
         piece_offsets = [own_len + offset for offset in piece_offsets]
         priv_len = own_len + pieces_len
-        private = {"tree": snapshot.priv_tree, "tensors": statetree.describe(snapshot.priv_leaves, priv_offsets)}
-        if snapshot.pieces:
-            private["pieces"] = [[p.index, list(p.offsets), list(p.sizes), at]
-                                 for p, at in zip(snapshot.pieces, piece_offsets)]
+        private = layout.private_part(snapshot.priv_tree, statetree.describe(snapshot.priv_leaves, priv_offsets),
+                                      [[p.index, list(p.offsets), list(p.sizes), at]
+                                       for p, at in zip(snapshot.pieces, piece_offsets)])
         # Every rank holds the same description of the replicated state; rank 0 carries it.
-        meta = json.dumps({
-            "format": META_FORMAT, "step": snapshot.step, "rank": self.rank, "world": self.world,
-            "replicated": None, "private": private,
-        }, separators=(",", ":")).encode()
-        if self.rank == 0:
-            meta = meta.replace(b'"replicated":null', b'"replicated":' + rep_json, 1)
-        rep_start, rep_end = split(rep_total, self.rank, self.world)
+        meta = layout.encode(step=snapshot.step, rank=self.rank, world=self.world, private=private,
+                             replicated=rep_json if self.rank == 0 else None)
+        rep_start, rep_end = layout.split(rep_total, self.rank, self.world)
         rep_len = rep_end - rep_start
         snapshot.header = ShardHeader(
             job=self.job_id, step=snapshot.step, rank=self.rank, world=self.world, rep_total=rep_total,

@@ -8,9 +8,10 @@ that appears twice (tied weights) is stored once and comes back as the same
 object in both places. Anything else is refused with the path where it was
 found, so a checkpoint never silently drops state.
 
-:func:`plan` lays tensors out in one byte region, each at a 64-byte aligned
-offset, and :func:`describe`/:func:`materialize` write and read the
-description that travels with the bytes.
+:func:`plan` lays tensors out in one byte region, each at an aligned offset
+(:data:`dashrun.wire.layout.ALIGN`), and :func:`describe`/:func:`materialize`
+write and read the entries of the description that travels with the bytes
+(whose layout :mod:`dashrun.wire.layout` owns).
 """
 
 from __future__ import annotations
@@ -23,17 +24,9 @@ from typing import Any
 import torch
 
 from dashrun.errors import UsageError
+from dashrun.wire.layout import align
 
-__all__ = ["ALIGN", "Sharded", "align", "byte_view", "describe", "flatten", "materialize", "nbytes_of", "plan",
-           "unflatten"]
-
-#: Every leaf starts at a multiple of this many bytes (a cache line), in the region and in each rank's slice.
-ALIGN = 64
-
-
-def align(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGN`."""
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+__all__ = ["Sharded", "byte_view", "describe", "flatten", "materialize", "nbytes_of", "plan", "unflatten"]
 
 
 def _np():

@@ -11,7 +11,7 @@ inside them do not count) and refuses anything deeper than ``max_depth``
 before the parser sees it. The frames, manifests and specs dashrun writes are a
 handful of levels deep, so 64 is plenty; a state's layout description mirrors
 the state's own nesting and gets a bound of its own
-(:data:`dashrun.wire.image.MAX_META_DEPTH`).
+(:data:`dashrun.wire.layout.MAX_META_DEPTH`).
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class RestoreRequest:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreReply:
-    """``found``: the image's descriptor is attached, laid out as :mod:`dashrun.wire.image` says, with each
+    """``found``: the image's descriptor is attached, laid out as :mod:`dashrun.wire.layout` says, with each
     saved rank's tail at ``tails[rank]``. ``direct``: the image holds the tails only; the rank reads the
     replicated state from dash-memd itself."""
 

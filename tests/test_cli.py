@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,8 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert getattr(action.type, "__qualname__", action.type) == getattr(mine.type, "__qualname__", mine.type)
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
-    assert own == ["agent_cpus", "cloud", "fresh", "hostfile", "job_id", "memd", "metadata_endpoint", "no_tls",
-                   "operator_key", "poll_interval", "remote_python", "ssh_config", "tls_ca", "tls_fingerprint",
+    assert own == ["agent_cpus", "cloud", "fresh", "hostfile", "job_id", "memd", "memd_wait", "metadata_endpoint",
+                   "no_tls", "operator_key", "poll_interval", "remote_python", "ssh_config", "tls_ca", "tls_fingerprint",
                    "token_file", "version", "weak_token_ok"]
 
 
@@ -185,6 +186,7 @@ BAD_VALUES = [
     (["--metadata-endpoint", "http://169.254.169.254:99999"], "--metadata-endpoint 'http://169.254.169.254:99999'"),
     (["--poll-interval", "soon"], "argument --poll-interval/--poll_interval: invalid float value: 'soon'"),
     (["--poll-interval", "-1"], "--poll-interval -1.0 is not a number of seconds"),
+    (["--memd-wait", "-1", *MEMD], "--memd-wait -1.0 is not a number of seconds"),
     (["--agent-cpus", "many"], "--agent-cpus 'many'"),
     (["--tls-ca", "no-such-ca.pem"], "cannot load --tls-ca"),
     (["--tls-ca", "token"], "cannot load --tls-ca"),  # not PEM certificates
@@ -242,6 +244,20 @@ def test_a_bad_value_stops_the_dashrun_command_in_one_line(options, launch_dir):
     assert [line.split(":")[:2] for line in result.stderr.splitlines()] == [["dashrun", " error"],
                                                                              ["dashrun", " hint"]], result.stderr
     assert not (launch_dir / "cache").exists()  # no private dash-memd made its directory
+
+
+def test_a_launch_that_cannot_reach_dash_memd_says_how_long_it_keeps_trying(launch_dir):
+    """One line that says for how long more, not one every 2 s; then the error, with what to do."""
+    with socket.socket() as probe:  # a port nothing listens on once it is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = dashrun("--memd", f"127.0.0.1:{port}", "--token-file", "token", "--memd-wait", "3",
+                     "--nproc-per-node", "1", "train.py", cwd=launch_dir, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    waits = [line for line in result.stderr.splitlines() if "retrying" in line]
+    assert len(waits) == 1 and waits[0].endswith("; retrying for 3 s more"), result.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in waits[0]
+    assert result.stderr.splitlines()[-1] == "dashrun: hint: start dash-memd first, or check --memd and the network"
 
 
 def test_a_failed_rank_is_reported_by_what_it_said(tmp_path, capsys):

@@ -14,7 +14,7 @@ from dashrun.env import PreemptionRecord
 from dashrun.errors import UnavailableError, UsageError
 from dashrun.util import daemon
 from dashrun.util.problems import ProblemLog
-from dashrun.util.retry import Backoff, retry
+from dashrun.util.retry import Backoff, countdown, retry
 from dashrun.util.units import format_size, parse_size
 
 # --- retry ---------------------------------------------------------------------------------------
@@ -84,6 +84,25 @@ def test_retry_lets_other_errors_and_hopeless_ones_through_at_once():
     with pytest.raises(UnavailableError):
         retry(refused, on=UnavailableError, backoff=Backoff(), giving_up=lambda e: "refused" in str(e))
     assert len(calls) == 1
+
+
+def test_a_wait_with_a_deadline_says_how_long_more_once_then_every_ten_seconds():
+    """30 s of tries every 2 s: three lines that count down, not fifteen that say it goes on."""
+    clock = [time.monotonic()]  # what the sleeps below advance: the 16 tries of 30 s take no time
+    said: list[str] = []
+
+    def down():
+        raise UnavailableError("cannot reach dash-memd")
+
+    def sleep(pause: float) -> None:
+        clock[0] += pause
+
+    deadline = clock[0] + 30
+    with pytest.raises(UnavailableError):
+        retry(down, on=UnavailableError, backoff=Backoff(2.0, 2.0, jitter=0.0), deadline=deadline,
+              on_retry=countdown(said.append, deadline, clock=lambda: clock[0]), sleep=sleep, attempts=16)
+    assert said == ["cannot reach dash-memd; retrying for 30 s more", "cannot reach dash-memd; retrying for 20 s more",
+                    "cannot reach dash-memd; retrying for 10 s more"]
 
 
 # --- log each problem once ----------------------------------------------------------------------

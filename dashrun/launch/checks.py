@@ -226,6 +226,7 @@ def check_values(args: argparse.Namespace) -> None:
         memd_address(args.memd)
     _metadata_endpoint(args.metadata_endpoint)
     _seconds(args.poll_interval, "--poll-interval")
+    _seconds(args.memd_wait, "--memd-wait")
     parse_agent_cpus(args.agent_cpus)
     TlsSettings.from_options(args.no_tls, args.tls_ca, args.tls_fingerprint)
 

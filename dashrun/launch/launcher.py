@@ -51,7 +51,7 @@ from dashrun.launch.preemption import PreemptionWatcher, StopSignals, report_pre
 from dashrun.launch.private_memd import PrivateMemd
 from dashrun.util import daemon
 from dashrun.util.cpus import thread_affinity
-from dashrun.util.retry import Backoff, retry
+from dashrun.util.retry import Backoff, countdown, retry
 from dashrun.util.tokens import read_token
 from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.memd_client import MemdClient
@@ -68,8 +68,7 @@ AGENT_STOP_TIMEOUT = 90.0
 #: How often the launcher checks that its agent is alive, and how often it restarts a dead one.
 AGENT_POLL_INTERVAL = 0.5
 AGENT_MAX_RESTARTS = 10
-#: Seconds to wait for an unreachable dash-memd before giving up at launch, and the pause between tries.
-MEMD_WAIT = 30.0
+#: The pause between tries to reach dash-memd at launch (for --memd-wait seconds in all).
 MEMD_RETRY_PAUSE = 2.0
 #: What each rank's command starts behind (run by path: see the module).
 DEATHSIG = Path(__file__).with_name("deathsig.py")
@@ -196,7 +195,7 @@ def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = N
     """Before any rank starts: reach dash-memd with our token, apply --fresh, store the launch spec; returns the
     job's newest committed checkpoint then (None: the job starts from step 0).
 
-    An unreachable dash-memd is waited for a little (it may be restarting); a
+    An unreachable dash-memd is waited for (--memd-wait: it may be restarting); a
     token it refuses is a configuration error. ``rdzv_id``: the job's
     rendezvous in dash-memd (an elastic job), where --fresh never wipes a job
     that other nodes are running — every node runs the same command, and a
@@ -233,9 +232,10 @@ def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = N
         log.info("job %s: no launch spec stored (%s): dashrun resume cannot relaunch it", options.job_id,
                  "no --operator-key" if operator else "a job's credential cannot store one")
     try:
+        deadline = time.monotonic() + options.memd_wait
         return retry(attempt, on=UnavailableError,
                      backoff=Backoff(first=MEMD_RETRY_PAUSE, longest=MEMD_RETRY_PAUSE, jitter=0),
-                     deadline=time.monotonic() + MEMD_WAIT, on_retry=lambda e, pause: log.warning("%s; retrying", e))
+                     deadline=deadline, on_retry=countdown(log.warning, deadline))
     except AuthError:
         raise UsageError(f"dash-memd at {options.memd[0]}:{options.memd[1]} refused this node's token",
                          hint="--token-file must hold the same token as dash-memd's (or a job credential made "

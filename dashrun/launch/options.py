@@ -43,6 +43,8 @@ __all__ = [
 
 MEMD_HINT = "start one with 'dash-memd start' on a stable VM and pass --memd HOST:PORT"
 TOKEN_HINT = "the file with the token dash-memd was started with"
+#: Seconds a launch waits for an unreachable dash-memd by default (one restarting is back well within it).
+MEMD_WAIT = 30.0
 
 
 
@@ -64,6 +66,7 @@ class OptionName:
 NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("memd", ("--memd",)),
     OptionName("token_file", ("--token-file", "--token_file")),
+    OptionName("memd_wait", ("--memd-wait", "--memd_wait")),
     OptionName("job_id", ("--job-id", "--job_id")),
     OptionName("fresh", ("--fresh",), "store_true"),
     OptionName("cloud", ("--cloud",)),
@@ -102,6 +105,7 @@ class LaunchOptions:
     tls: TlsSettings = TlsSettings()
     agent_cpus: AgentCpus = AUTO  # where dash-agent runs: auto, none or its CPUs (dashrun.launch.placement)
     operator_key: Path | None = None  # signs the launch spec (dashrun.wire.operator)
+    memd_wait: float = MEMD_WAIT  # seconds to wait for an unreachable dash-memd at launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "loopback, with its data under ~/.cache/dashrun).")
     NAMES["token_file"].add_to(group, default=env.get(env.TOKEN_FILE), metavar="FILE",
                                help=f"file with the cluster's token, needed with --memd (env {env.TOKEN_FILE.name}).")
+    NAMES["memd_wait"].add_to(group, type=float, default=env.get(env.MEMD_WAIT, MEMD_WAIT), metavar="SECONDS",
+                              help=f"how long the launch waits for an unreachable dash-memd, which may be restarting "
+                                   f"(env {env.MEMD_WAIT.name}; default {MEMD_WAIT:g}).")
     NAMES["job_id"].add_to(group, default=env.get(env.JOB_ID), metavar="ID",
                            help=f"the job's stable id: relaunching with the same id resumes (env {env.JOB_ID.name}; "
                                 "default: derived from the script's absolute path and its arguments).")
@@ -274,13 +281,14 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         require_shared_memd(args, max_nodes(args), "nodes")
         return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
                              metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval, tls=tls,
-                             agent_cpus=agent_cpus, operator_key=operator_key)
+                             agent_cpus=agent_cpus, operator_key=operator_key, memd_wait=args.memd_wait)
     require_token_file(args.memd, args.token_file)
     token_file = Path(args.token_file)
     Credential.parse(read_token(token_file)).for_job(job_id)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,
                          cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
-                         poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus, operator_key=operator_key)
+                         poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus, operator_key=operator_key,
+                         memd_wait=args.memd_wait)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:

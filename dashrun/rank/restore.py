@@ -42,7 +42,7 @@ from dashrun.rank.direct import in_place_targets, read_direct
 from dashrun.rank.mismatch import mismatch_hint, must_fit
 from dashrun.rank.notices import in_process_group
 from dashrun.rank.snapshot import BUFFERS
-from dashrun.util.retry import Backoff, retry
+from dashrun.util.retry import Backoff, countdown, retry
 from dashrun.wire import layout
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import MAX_RANGES, RestoreReply, RestoreRequest
@@ -151,16 +151,15 @@ def fetch(link: AgentLink, request: RestoreRequest,
           on_wait: Callable[[str], None]) -> tuple[RestoreReply, Frame]:
     """Ask the agent for the image, trying again for RESTORE_TIMEOUT while it or dash-memd is unreachable.
 
-    ``on_wait(message)`` is told each time it waits. The frame holds the
-    image's descriptor when the reply says ``found``: the caller closes it.
+    ``on_wait(message)`` is told that it waits, and for how long more (again at most every
+    :data:`~dashrun.util.retry.SAY_EVERY` seconds). The frame holds the image's descriptor when the reply says
+    ``found``: the caller closes it.
     """
-    def on_retry(e: BaseException, pause: float) -> None:
-        on_wait(f"restore waits for dash-memd: {e}")
-
+    deadline = time.monotonic() + RESTORE_TIMEOUT
     try:
         frame = retry(lambda: link.call(Kind.RESTORE, request.to_body(), timeout=RESTORE_TIMEOUT),
-                      on=UnavailableError, backoff=Backoff(0.5, 10.0), deadline=time.monotonic() + RESTORE_TIMEOUT,
-                      on_retry=on_retry)
+                      on=UnavailableError, backoff=Backoff(0.5, 10.0), deadline=deadline,
+                      on_retry=countdown(lambda line: on_wait(f"restore waits for dash-memd: {line}"), deadline))
     except UnavailableError as e:
         raise UnavailableError(f"cannot restore job {request.job}: {e}",
                                hint="is dash-memd up and reachable from this node?") from None

@@ -5,7 +5,9 @@ failure up to a longest one, with jitter so that many nodes do not retry in
 step); :func:`retry` calls a function until it succeeds, the attempts run
 out, or a deadline passes. Loops that must keep doing other work between
 tries (a poller, an upload queue) hold a :class:`Backoff` and ask it for the
-next pause themselves.
+next pause themselves. :func:`countdown` is what a retry with a deadline tells
+a person: that it retries and for how long more, once, then at most every
+:data:`SAY_EVERY` seconds, rather than a line at every pause.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import random
 import time
 from typing import Callable, TypeVar
 
-__all__ = ["Backoff", "retry"]
+__all__ = ["SAY_EVERY", "Backoff", "countdown", "retry"]
 
 T = TypeVar("T")
+
+#: Seconds between two lines of :func:`countdown` about the same wait.
+SAY_EVERY = 10.0
 
 
 @dataclasses.dataclass
@@ -74,3 +79,21 @@ def retry(fn: Callable[[], T], *, on: type[BaseException] | tuple[type[BaseExcep
             if on_retry is not None:
                 on_retry(e, pause)
             sleep(pause)
+
+
+def countdown(say: Callable[[str], object], deadline: float, *, every: float = SAY_EVERY,
+              clock: Callable[[], float] = time.monotonic) -> Callable[[BaseException, float], None]:
+    """An ``on_retry`` for :func:`retry` with ``deadline`` (a ``clock()`` value) that calls ``say(line)``, the line
+    being ``"<error>; retrying for N s more"``, at the first retry and then at most every ``every`` seconds: a
+    wait of 30 s is two or three lines that say how long it may last, not fifteen that say it goes on."""
+    said_at: float | None = None
+
+    def on_retry(error: BaseException, pause: float) -> None:
+        nonlocal said_at
+        now = clock()
+        if said_at is not None and now - said_at < every:
+            return
+        said_at = now
+        say(f"{error}; retrying for {max(0, round(deadline - now))} s more")
+
+    return on_retry

@@ -388,3 +388,35 @@ def test_an_export_reads_every_byte_once_through_the_planner_over_connections_of
     assert told[-1] == (info.nbytes, info.nbytes) and [d for d, _ in told] == sorted(d for d, _ in told)
     assert all(torch.equal(value, model.state_dict()[key]) for key, value in state["model"].items())
     assert [state["per_rank"][r]["data"]["position"] for r in ("0", "1")] == [3, 4]
+
+
+@pytest.mark.parametrize("failure", ["dash-memd gone", "connection reset"])
+def test_an_export_that_fails_mid_read_says_why_and_not_that_its_image_could_not_close(stack, rank_env,
+                                                                                       monkeypatch, failure):
+    """A read that fails part-way (dash-memd killed, a link reset) raises that failure, even when the frames of
+    its chain still hold views of the export's image: never a BufferError of closing the image instead."""
+    from dashrun.launch import export
+
+    memd, agent = stack
+    model, opt, sched = trained_objects()
+    save_world(rank_env, agent, "cut", 2, 6, model, opt, sched, [3, 4])
+    monkeypatch.setattr(planner, "PIECE", 4096)
+    real_read = MemdClient.get_shard_checked_into
+    calls = []
+
+    def read(self, job, step, rank, views, **kw):
+        calls.append(views)
+        if len(calls) < 3:
+            return real_read(self, job, step, rank, views, **kw)
+        if failure == "connection reset":
+            raise ConnectionResetError(104, "Connection reset by peer")
+        try:
+            raise OSError(32, "Broken pipe")
+        except OSError as e:
+            raise UnavailableError("dash-memd closed the connection") from e
+
+    monkeypatch.setattr(MemdClient, "get_shard_checked_into", read)
+    expected = UnavailableError if failure == "dash-memd gone" else ConnectionResetError
+    with memd.client() as client, pytest.raises(expected) as raised:
+        export.fetch_state(client, "cut", None)
+    assert not isinstance(raised.value, BufferError) and len(calls) >= 3

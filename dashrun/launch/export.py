@@ -20,6 +20,7 @@ says, which also refuses a checkpoint of another layout format.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -62,30 +63,45 @@ def fetch_state(client: MemdClient, job: str, step: int | None,
         state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}
         return info, state
     tails, size = layout.image_tails(info)
-    failure = None
-    with mmap.mmap(-1, max(size, 1)) as mapped:
-        done = 0
+    mapped = mmap.mmap(-1, max(size, 1))
+    done = 0
 
-        def advance(nbytes: int) -> None:
-            nonlocal done
-            done += nbytes
-            if progress:
-                progress(done, info.nbytes)
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done, info.nbytes)
 
-        # Several connections of its own to the caller's dash-memd at once: one shard's receive and decryption
-        # run on as many cores, and a checkpoint of many ranks is not read one shard after the other.
-        source = MemdSource(client.another, streams=min(STREAMS, max(2, len(os.sched_getaffinity(0)))),
-                            progress=advance)
-        try:
-            with memoryview(mapped) as view:
-                Planner([source]).read(info, everything(info, tails), view)
-            state = _decode(mapped, info, tails)
-        except DashError as e:  # (the step gone since LATEST, say): raised once the mapping is closed
-            failure = e.with_traceback(None)  # its frames hold views of the mapping, which could not close then
-    if failure is not None:
-        raise failure
+    # Several connections of its own to the caller's dash-memd at once: one shard's receive and decryption
+    # run on as many cores, and a checkpoint of many ranks is not read one shard after the other.
+    source = MemdSource(client.another, streams=min(STREAMS, max(2, len(os.sched_getaffinity(0)))),
+                        progress=advance)
+    try:
+        with memoryview(mapped) as view:
+            Planner([source]).read(info, everything(info, tails), view)
+        state = _decode(mapped, info, tails)
+    except DashError as e:  # (the step gone since LATEST, say): the frames of its chain hold views of the mapping
+        raise _detached(e) from None
+    finally:
+        # Any other failure's frames may still hold views: the mapping then goes with them, and that failure,
+        # not a BufferError of this close, is what the caller sees.
+        with contextlib.suppress(BufferError):
+            mapped.close()
     state["dashrun"] = {"job": info.job, "step": info.step, "world": info.world}
     return info, state
+
+
+def _detached(error: BaseException) -> BaseException:
+    """``error`` without the tracebacks of it and of every exception it was raised in handling."""
+    seen: set[int] = set()
+    chain: list[BaseException | None] = [error]
+    while chain:
+        e = chain.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            e.with_traceback(None)
+            chain += [e.__cause__, e.__context__]
+    return error
 
 
 def _decode(mapped: mmap.mmap, info: CheckpointInfo, tails: list[int]) -> dict[str, Any]:

@@ -336,8 +336,8 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
     import boto3
     import torch
 
-    from dashrun.memd.tiers.object import ObjectTier
-    from dashrun.memd.tiers.signing import manifest_key
+    from dashrun.memd.store.tiers.object import ObjectTier
+    from dashrun.memd.store.tiers.signing import manifest_key
     from dashrun.wire.messages import CheckpointInfo, ShardHeader
     from dashrun.wire.protocol import crc32c
 

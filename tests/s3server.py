@@ -27,7 +27,7 @@ import pytest
 from botocore.config import Config
 from conftest import wait_for
 
-from dashrun.memd.tiers.signing import manifest_key
+from dashrun.memd.store.tiers.signing import manifest_key
 
 ACCESS_KEY = "testing-access-key"
 SECRET_KEY = "testing-secret-key"

@@ -25,9 +25,9 @@ from dashrun.agent import ranks, service
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.service import AgentServer
 from dashrun.errors import BusyError, NoSpaceError, UnavailableError
-from dashrun.memd.catalogue import Catalogue
-from dashrun.memd.listing import KEEP_NODES, LIST_NODES
-from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.store.catalogue import Catalogue
+from dashrun.memd.store.listing import KEEP_NODES, LIST_NODES
+from dashrun.memd.store.tiers import DiskTier, RamTier
 from dashrun.util.daemon import private_listener
 from dashrun.wire import agent_link, tls
 from dashrun.wire.agent_link import AgentLink

@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from dashrun.errors import ConflictError, NoSpaceError, NotFoundError
-from dashrun.memd.catalogue import Catalogue, State
-from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.store.catalogue import Catalogue, State
+from dashrun.memd.store.tiers import DiskTier, RamTier
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import crc32c
 
@@ -22,9 +22,9 @@ def headers(job="j", step=1, world=2, rep_total=4096, tail=64, layout=LAYOUT):
 
 def deliver(cat, header, payload=None):
     payload = payload if payload is not None else os.urandom(header.nbytes)
-    ticket = cat.begin_shard(header)
+    ticket = cat.receiver.begin_shard(header)
     ticket.buffer[:header.nbytes] = payload
-    return cat.finish_shard(ticket, crc32c(payload)), payload
+    return cat.receiver.finish_shard(ticket, crc32c(payload)), payload
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_persisted_then_evicted_from_ram_by_retention(cat):
     for step in (1, 2, 3):
         for header in headers(step=step):
             payloads[(step, header.rank)] = deliver(cat, header)[1]
-        while cat.persist_next(timeout=0):
+        while cat.disk_writer.persist_next(timeout=0):
             pass
     jobs = {c["step"]: c for c in cat.jobs()[0]["checkpoints"]}
     assert jobs[3]["tiers"] == ["disk", "ram"] and jobs[2]["tiers"] == ["disk", "ram"]
@@ -87,7 +87,7 @@ def test_reads_fall_back_to_disk_after_eviction(tmp_path):
     for step in (1, 2):
         for header in headers(step=step):
             payloads[(step, header.rank)] = deliver(cat, header)[1]
-        while cat.persist_next(timeout=0):
+        while cat.disk_writer.persist_next(timeout=0):
             pass
     step1 = {c["step"]: c["tiers"] for c in cat.jobs()[0]["checkpoints"]}[1]
     assert step1 == ["disk"]
@@ -105,13 +105,13 @@ def test_full_ram_refuses_only_what_cannot_fit_safely(tmp_path):
     with pytest.raises(NoSpaceError, match="not yet safe on disk"):
         deliver(cat, headers(step=3, rep_total=8192)[0])
     assert cat.latest("j").step == 2            # the previous checkpoint stays valid
-    while cat.persist_next(timeout=0):
+    while cat.disk_writer.persist_next(timeout=0):
         pass
     for header in headers(step=3, rep_total=8192):  # now older ones can be evicted to make room
         deliver(cat, header)
     assert cat.latest("j").step == 3
     with pytest.raises(NoSpaceError, match="exceeds"):
-        cat.begin_shard(headers(step=4, rep_total=1 << 20, world=1)[0])
+        cat.receiver.begin_shard(headers(step=4, rep_total=1 << 20, world=1)[0])
 
 
 def test_a_reader_pins_the_checkpoint(tmp_path):
@@ -119,12 +119,12 @@ def test_a_reader_pins_the_checkpoint(tmp_path):
     payload = {}
     for header in headers(step=1):
         payload[header.rank] = deliver(cat, header)[1]
-    cat.persist_next(timeout=0)
+    cat.disk_writer.persist_next(timeout=0)
     with cat.open_shard("j", 1, 0) as (view, _, _marks):
         for step in (2, 3):
             for header in headers(step=step):
                 deliver(cat, header)
-            while cat.persist_next(timeout=0):
+            while cat.disk_writer.persist_next(timeout=0):
                 pass
         assert bytes(view) == payload[0]        # not freed or overwritten under the reader
     assert cat.latest("j").step == 3
@@ -143,7 +143,7 @@ def test_rebuilt_from_disk_after_a_restart(tmp_path):
     payloads = {}
     for header in headers(step=4):
         payloads[header.rank] = deliver(cat, header)[1]
-    cat.persist_next(timeout=0)
+    cat.disk_writer.persist_next(timeout=0)
     reborn = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"))
     assert reborn.load_disk() == []
     assert reborn.latest("j").step == 4
@@ -156,17 +156,17 @@ def test_once_a_checkpoint_is_on_disk_the_buffers_of_the_next_one_are_ready(tmp_
     for header in headers(step=1):
         deliver(cat, header)
     assert not [buf for bufs in cat.ram._free.values() for buf in bufs]
-    assert cat.persist_next(timeout=5)
+    assert cat.disk_writer.persist_next(timeout=5)
     ready = [buf for bufs in cat.ram._free.values() for buf in bufs]
     assert len(ready) == 2                                 # one per shard of the job
-    tickets = [cat.begin_shard(header) for header in headers(step=2)]
+    tickets = [cat.receiver.begin_shard(header) for header in headers(step=2)]
     assert all(any(ticket.buffer is buf for buf in ready) for ticket in tickets)
     for ticket in tickets:
-        cat.abort_shard(ticket)
+        cat.receiver.abort_shard(ticket)
 
 
 def test_a_state_changes_only_forward_through_the_checked_transition():
-    from dashrun.memd.entry import Entry, State
+    from dashrun.memd.store.entry import Entry, State
 
     entry = Entry("job", 1, 1, 64, "ab" * 32)
     with pytest.raises(AttributeError, match="only through advance"):
@@ -200,9 +200,9 @@ def test_a_step_deleted_while_it_is_written_to_disk_stays_deleted(tmp_path, keep
         for header in headers(step=step):
             deliver(cat, header)
     cat.disk.during_put = lambda: cat.delete("j", keep)  # rm, or gc --keep 1: step 1 goes while it is written
-    assert cat.persist_next(timeout=0)
+    assert cat.disk_writer.persist_next(timeout=0)
     assert not cat.disk.step_dir("j", 1).exists()
-    while cat.persist_next(timeout=0):
+    while cat.disk_writer.persist_next(timeout=0):
         pass
     reborn = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"))
     reborn.load_disk()
@@ -214,7 +214,7 @@ def test_rm_removes_every_copy_of_the_job_on_disk_also_one_the_catalogue_forgot(
     for step in (3, 4):
         for header in headers(step=step):
             deliver(cat, header)
-        cat.persist_next(timeout=0)
+        cat.disk_writer.persist_next(timeout=0)
     # A new attempt at step 3 (another layout) replaces the one on disk in the catalogue, and as step 4 is
     # on disk already it is dropped at once: the catalogue forgets step 3, its old copy stays on disk.
     for header in headers(step=3, layout="cd" * 32):
@@ -229,23 +229,23 @@ def test_rm_removes_every_copy_of_the_job_on_disk_also_one_the_catalogue_forgot(
 def test_a_copy_of_a_shard_whose_first_copy_still_arrives_replaces_it_and_a_late_duplicate_is_refused(cat):
     first, second = headers()
     ended = []
-    original = cat.begin_shard(first, cancel=lambda: ended.append("first"))
+    original = cat.receiver.begin_shard(first, cancel=lambda: ended.append("first"))
     free = cat.ram.limit - cat.ram.used
     # The agent's retry after its link dropped mid-shard: the stalled receive is ended at once, the copy taken.
-    again = cat.begin_shard(first)
+    again = cat.receiver.begin_shard(first)
     assert ended == ["first"]
     payload = os.urandom(first.nbytes)
     again.buffer[:first.nbytes] = payload
     original.buffer[:first.nbytes] = os.urandom(first.nbytes)
     with pytest.raises(ConflictError, match="newer copy"):  # the first copy, should it still complete
-        cat.finish_shard(original, crc32c(original.buffer[:first.nbytes]))
+        cat.receiver.finish_shard(original, crc32c(original.buffer[:first.nbytes]))
     assert cat.ram.limit - cat.ram.used == free  # its buffer went back
-    assert cat.finish_shard(again, crc32c(payload)) is False
+    assert cat.receiver.finish_shard(again, crc32c(payload)) is False
     assert deliver(cat, second)[0] is True
     used = cat.ram.used
     with pytest.raises(ConflictError, match="already committed"):  # a zombie node's copy, after the commit
-        cat.begin_shard(first)
-    cat.persist_next(timeout=0)
+        cat.receiver.begin_shard(first)
+    cat.disk_writer.persist_next(timeout=0)
     with cat.open_shard("j", 1, 0) as (view, crc, _marks):
         assert bytes(view) == payload and crc == crc32c(payload)
     assert cat.ram.used == used
@@ -256,7 +256,7 @@ def test_a_copy_of_a_shard_whose_first_copy_still_arrives_replaces_it_and_a_late
 def test_a_shard_sent_again_before_the_commit_replaces_the_first_and_never_frees_a_committed_buffer(cat):
     first, second = headers()
     deliver(cat, first)                   # rank 0 arrived; then its agent, unsure, sends it again
-    again = cat.begin_shard(first)
+    again = cat.receiver.begin_shard(first)
     payload = os.urandom(first.nbytes)
     again.buffer[:first.nbytes] = payload
     committed, _ = deliver(cat, second)   # the checkpoint commits with rank 0's first copy meanwhile
@@ -264,13 +264,13 @@ def test_a_shard_sent_again_before_the_commit_replaces_the_first_and_never_frees
     used = cat.ram.used
     with cat.open_shard("j", 1, 0) as (view, crc, _marks):
         before = bytes(view)
-    assert cat.finish_shard(again, crc32c(before)) is True  # the same shard: it is stored
+    assert cat.receiver.finish_shard(again, crc32c(before)) is True  # the same shard: it is stored
     assert cat.ram.used == used - len(again.buffer)         # its own buffer went back, not a committed one
     with cat.open_shard("j", 1, 0) as (view, crc, _marks):
         assert bytes(view) == before and crc32c(before) == crc
-    other = cat.begin_shard(headers(step=2)[0])              # reused buffers are not the committed ones
+    other = cat.receiver.begin_shard(headers(step=2)[0])              # reused buffers are not the committed ones
     assert all(other.buffer is not buf for buf in cat.ledger.committed["j"][1].buffers.values())
-    cat.abort_shard(other)
+    cat.receiver.abort_shard(other)
 
 
 def test_a_new_attempt_at_a_step_that_never_committed_commits(cat):
@@ -289,7 +289,7 @@ def test_a_receive_that_finds_no_room_leaves_no_empty_entry(tmp_path):
     for header in headers(step=1, rep_total=8192) + headers(step=2, rep_total=8192):
         deliver(cat, header)
     with pytest.raises(NoSpaceError):
-        cat.begin_shard(headers(step=3, rep_total=8192)[0])
+        cat.receiver.begin_shard(headers(step=3, rep_total=8192)[0])
     assert cat.jobs()[0]["receiving"] == []
 
 
@@ -307,9 +307,9 @@ def test_a_bad_ram_copy_held_nowhere_else_leaves_the_catalogue_once_no_one_reads
     for step in (1, 2):
         for header in headers(step=step):
             payload = os.urandom(header.nbytes)
-            ticket = cat.begin_shard(header)
+            ticket = cat.receiver.begin_shard(header)
             ticket.buffer[:header.nbytes] = payload
-            cat.finish_shard(ticket, crc32c(payload), marks_of(payload))
+            cat.receiver.finish_shard(ticket, crc32c(payload), marks_of(payload))
     used = cat.ram.used
     with cat.open_shard("j", 2, 1) as (view, _, marks):
         view[10] ^= 1  # a bit flipped in RAM
@@ -331,7 +331,7 @@ def test_a_bad_ram_copy_also_on_disk_is_read_from_disk(cat):
 
     for header in headers(step=1):
         deliver(cat, header)
-    cat.persist_next(timeout=0)
+    cat.disk_writer.persist_next(timeout=0)
     with cat.open_shard("j", 1, 0) as (view, crc, _):
         before = bytes(view)
     kept = cat.ledger.committed["j"][1].marks
@@ -352,12 +352,12 @@ def test_a_checkpoint_whose_ram_copy_changed_before_its_disk_write_never_reaches
         for header in headers(step=step):
             payloads[(step, header.rank)] = deliver(cat, header)[1]
         if step < 3:
-            while cat.persist_next(timeout=0):
+            while cat.disk_writer.persist_next(timeout=0):
                 pass
     third = cat.ledger.committed["j"][3]
     third.buffers[1][7] ^= 0x10  # a bit flipped after it arrived, before its write
     used = cat.ram.used
-    assert cat.persist_next(timeout=0)
+    assert cat.disk_writer.persist_next(timeout=0)
     assert "step 3: not written to disk" in caplog.text and "have changed in RAM" in caplog.text
     assert not cat.disk.step_dir("j", 3).exists()
     assert not [p for p in cat.disk.step_dir("j", 3).parent.iterdir() if p.name.startswith(".tmp")]

@@ -1,5 +1,5 @@
 """Deletions that last: ``rm`` and ``gc`` answer only once the deletion is durable, and a start never brings back
-what they deleted (the tombstones, :mod:`dashrun.memd.tombstones`, applied to the disk's scan).
+what they deleted (the tombstones, :mod:`dashrun.memd.store.tombstones`, applied to the disk's scan).
 
 One catalogue is driven by hand over a real disk tier; a "restart" is a new catalogue over the same data dir.
 Faults are injected in-process: the tombstones' file write, a step directory's removal. The same with an object
@@ -13,10 +13,10 @@ import errno
 import pytest
 from test_catalogue import deliver, headers
 
-from dashrun.memd import tombstones
-from dashrun.memd.catalogue import Catalogue
-from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.memd.tombstones import TOMBSTONES
+from dashrun.memd.store import tombstones
+from dashrun.memd.store.catalogue import Catalogue
+from dashrun.memd.store.tiers import DiskTier, RamTier
+from dashrun.memd.store.tombstones import TOMBSTONES
 
 
 def committed_on_disk(tmp_path, steps) -> tuple[Catalogue, dict[int, list[bytes]]]:
@@ -24,7 +24,7 @@ def committed_on_disk(tmp_path, steps) -> tuple[Catalogue, dict[int, list[bytes]
     payloads = {}
     for step in steps:
         payloads[step] = [deliver(cat, header)[1] for header in headers(step=step)]
-        assert cat.persist_next(timeout=0)
+        assert cat.disk_writer.persist_next(timeout=0)
     return cat, payloads
 
 
@@ -73,7 +73,7 @@ def test_a_deleted_step_the_disk_still_holds_is_never_loaded_again_and_is_remove
     after = 1 if keep == 0 else 3  # what the job commits after the deletion (rm: a new run) is not deleted
     for header in headers(step=after):
         deliver(cat, header)
-    assert cat.persist_next(timeout=0)
+    assert cat.disk_writer.persist_next(timeout=0)
 
     reborn = restarted(tmp_path)
     assert sorted(reborn.ledger.committed["j"]) == ([1] if keep == 0 else [2, 3])

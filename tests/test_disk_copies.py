@@ -15,8 +15,8 @@ from test_object_store import checkpoint, drain, make_catalogue, read
 from test_tiers import flip_byte, make_checkpoint
 
 from dashrun.errors import ChecksumError, NotFoundError
-from dashrun.memd.catalogue import Catalogue
-from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.store.catalogue import Catalogue
+from dashrun.memd.store.tiers import DiskTier, RamTier
 
 pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 
@@ -33,7 +33,7 @@ def restarted_with_steps(tmp_path, steps) -> tuple[Catalogue, dict]:
     for step in steps:
         for header in headers(step=step):
             payloads[(step, header.rank)] = deliver(first, header)[1]
-        assert first.persist_next(timeout=5)
+        assert first.disk_writer.persist_next(timeout=5)
     reborn = Catalogue(RamTier(1 << 20), DiskTier(tmp_path / "d"))
     assert reborn.load_disk() == []
     return reborn, payloads
@@ -74,7 +74,7 @@ def test_a_start_lists_without_reading_and_checks_every_jobs_newest_first(tmp_pa
     assert set(order[:2]) == {("job-a", 3), ("job-b", 6)} and order[2:4] == [("job-b", 5), ("job-a", 2)]
     cat.verifier.part = 1000                                # each shard (~1.1 kB) is read in two parts
     checked = 0
-    while cat.verify_next():
+    while cat.verifier.next():
         checked += 1
     assert checked == 5 * 3 * 2 and cat.verifier.unverified() == 0
     assert cat.latest("job-a").step == 2 and cat.latest("job-b").step == 6
@@ -152,7 +152,7 @@ def test_a_disk_copy_that_rotted_before_its_upload_is_quarantined_not_uploaded_a
     cat = make_catalogue(tmp_path, s3_bucket.url())
     drain(cat)
     payloads = [deliver(cat, header)[1] for header in headers("j", 1, rep_total=64 << 10)]
-    assert cat.persist_next(timeout=5)                      # on disk now, its upload queued
+    assert cat.disk_writer.persist_next(timeout=5)                      # on disk now, its upload queued
     flip_byte(shard_file(cat.disk, "j", 1, 1))              # rotted on disk before the uploader read it
     drain(cat)
     summary = cat.jobs()[0]
@@ -164,7 +164,7 @@ def test_a_disk_copy_that_rotted_before_its_upload_is_quarantined_not_uploaded_a
 def test_a_shard_read_in_many_ranges_over_several_streams_is_checked_once(tmp_path, monkeypatch):
     """A restore reads one shard in many pieces over 4 streams: the disk copy is read whole once, not once per
     piece; a check longer than the recheck window does not start another for the reads still open."""
-    from dashrun.memd.tiers import disk as disk_module
+    from dashrun.memd.store.tiers import disk as disk_module
 
     reborn, payloads = restarted_with_steps(tmp_path, [1])
     checks = []

@@ -14,9 +14,9 @@ import pytest
 from conftest import wait_for
 
 from dashrun.errors import NoSpaceError
-from dashrun.memd import disk_writer
-from dashrun.memd.catalogue import Catalogue, State
-from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.store import disk_writer
+from dashrun.memd.store.catalogue import Catalogue, State
+from dashrun.memd.store.tiers import DiskTier, RamTier
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import crc32c
 
@@ -30,9 +30,9 @@ def header(job: str, step: int, nbytes: int = 4096) -> ShardHeader:
 def commit(cat: Catalogue, job: str, step: int, nbytes: int = 4096) -> bytes:
     h = header(job, step, nbytes)
     payload = os.urandom(h.nbytes)
-    ticket = cat.begin_shard(h)
+    ticket = cat.receiver.begin_shard(h)
     ticket.buffer[:h.nbytes] = payload
-    assert cat.finish_shard(ticket, crc32c(payload))
+    assert cat.receiver.finish_shard(ticket, crc32c(payload))
     return payload
 
 
@@ -77,7 +77,7 @@ def summary(cat: Catalogue, job: str) -> dict:
 
 def run_writer_until(cat: Catalogue, predicate, what: str) -> None:
     def step():
-        cat.persist_next(timeout=0.01)
+        cat.disk_writer.persist_next(timeout=0.01)
         return predicate()
     wait_for(step, 10, what, interval=0)
 
@@ -86,13 +86,13 @@ def test_a_failed_disk_write_is_written_again_once_the_disk_works(flaky):
     disk, cat = flaky
     disk.put_faults = [OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EIO, "Input/output error")]
     commit(cat, "j", 5)
-    assert cat.persist_next(timeout=1)  # the first write fails
-    assert states(cat, "j") == {5: "committed"} and cat.pending_disk_writes() == 1
+    assert cat.disk_writer.persist_next(timeout=1)  # the first write fails
+    assert states(cat, "j") == {5: "committed"} and cat.disk_writer.pending() == 1
     assert summary(cat, "j")["disk_error"] == "No space left on device"
     # Nothing new is committed: the writer tries the same checkpoint again by itself, until the disk takes it.
     run_writer_until(cat, lambda: states(cat, "j") == {5: "on_disk"}, "step 5 written again")
     job = summary(cat, "j")
-    assert job["disk_error"] is None and job["disk_failures"] == 2 and cat.pending_disk_writes() == 0
+    assert job["disk_error"] is None and job["disk_failures"] == 2 and cat.disk_writer.pending() == 0
     assert (disk.step_dir("j", 5)).is_dir()
 
 
@@ -101,11 +101,11 @@ def test_only_the_jobs_newest_checkpoint_not_on_disk_is_tried_again(flaky):
     disk.put_faults = [OSError(errno.ENOSPC, "No space left on device")] * 2
     commit(cat, "j", 1)
     commit(cat, "j", 2)
-    assert cat.persist_next(timeout=1) and cat.persist_next(timeout=1)  # both writes fail
-    assert cat.pending_disk_writes() == 2  # every RAM-only committed checkpoint counts
+    assert cat.disk_writer.persist_next(timeout=1) and cat.disk_writer.persist_next(timeout=1)  # both writes fail
+    assert cat.disk_writer.pending() == 2  # every RAM-only committed checkpoint counts
     run_writer_until(cat, lambda: states(cat, "j").get(2) == "on_disk", "step 2 written again")
     # Step 2's write makes step 1 safe too (nothing is lost without it): it is never written, nor pending.
-    assert cat.pending_disk_writes() == 0 and not disk.step_dir("j", 1).exists()
+    assert cat.disk_writer.pending() == 0 and not disk.step_dir("j", 1).exists()
     assert cat.disk_writer.retries == {}
 
 
@@ -113,10 +113,10 @@ def test_a_failed_deletion_does_not_stop_the_writer_and_is_done_again(flaky):
     disk, cat = flaky
     for step in (1, 2):
         commit(cat, "j", step)
-        assert cat.persist_next(timeout=1)
+        assert cat.disk_writer.persist_next(timeout=1)
     disk.delete_faults = [OSError(errno.EIO, "Input/output error")]
     commit(cat, "j", 3)
-    assert cat.persist_next(timeout=1)  # written; trimming step 1 (keep_disk=2) fails
+    assert cat.disk_writer.persist_next(timeout=1)  # written; trimming step 1 (keep_disk=2) fails
     assert states(cat, "j") == {2: "on_disk", 3: "on_disk"} and disk.step_dir("j", 1).exists()
     assert summary(cat, "j")["disk_failures"] == 1
     commit(cat, "j", 4)
@@ -129,7 +129,7 @@ def test_an_error_nobody_foresaw_is_a_failed_write_tried_again(flaky):
     disk, cat = flaky
     disk.put_faults = [RuntimeError("a bug in the tier")]
     commit(cat, "j", 7)
-    assert cat.persist_next(timeout=1)  # does not raise
+    assert cat.disk_writer.persist_next(timeout=1)  # does not raise
     assert "a bug in the tier" in summary(cat, "j")["disk_error"]
     run_writer_until(cat, lambda: states(cat, "j") == {7: "on_disk"}, "step 7 written again")
 
@@ -140,9 +140,9 @@ def test_a_receive_refused_for_room_names_the_failing_disk(tmp_path):
     cat.retention.room_wait = 0.05
     disk.put_faults = [OSError(errno.ENOSPC, "No space left on device")]
     commit(cat, "j", 1, nbytes=6000)
-    assert cat.persist_next(timeout=1)
+    assert cat.disk_writer.persist_next(timeout=1)
     with pytest.raises(NoSpaceError) as refused:
-        cat.begin_shard(header("j", 2, nbytes=6000))
+        cat.receiver.begin_shard(header("j", 2, nbytes=6000))
     assert "No space left on device" in str(refused.value) and "faster disk" not in str(refused.value)
     # The retry frees the RAM once the disk works again: the same receive then fits.
     run_writer_until(cat, lambda: states(cat, "j") == {1: "on_disk"}, "step 1 written again")

@@ -18,7 +18,7 @@ import pytest
 from conftest import REFERENCE_STEPS, TRAIN, dashrun_cmd, kill_tree, wait_for
 from runs import assert_identical, final_states, last_step, reference_run, starts
 
-from dashrun.memd.tiers.base import MANIFEST
+from dashrun.memd.store.tiers.base import MANIFEST
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from conftest import REPO, wait_for
 from test_catalogue import deliver, headers
 
 from dashrun.errors import NoSpaceError
-from dashrun.memd.catalogue import Catalogue
-from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.store.catalogue import Catalogue
+from dashrun.memd.store.tiers import DiskTier, RamTier
 
 
 def full_catalogue(tmp_path) -> Catalogue:
@@ -34,7 +34,7 @@ class Receive(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.ticket = self.cat.begin_shard(self.header)
+            self.ticket = self.cat.receiver.begin_shard(self.header)
             self.order.append(self.header.job)
         except NoSpaceError as e:
             self.error = e
@@ -53,14 +53,14 @@ def test_a_receive_into_full_ram_waits_for_the_disk_writer_which_writes_the_newe
     wait_for(lambda: waiting(cat, 1), 10, "the receive to wait for room")
     assert receive.error is None and receive.ticket is None
     # One write makes room: the writer skips step 1 for step 2 (its write makes step 1 safe too).
-    assert cat.persist_next(timeout=0)
-    assert cat.persist_next(timeout=0)
+    assert cat.disk_writer.persist_next(timeout=0)
+    assert cat.disk_writer.persist_next(timeout=0)
     receive.join(10)
     assert receive.ticket is not None, receive.error
     job = next(j for j in cat.jobs() if j["job"] == "j")
     tiers = {c["step"]: c["tiers"] for c in job["checkpoints"]}
     assert "disk" in tiers[2] and "disk" not in tiers.get(1, [])
-    cat.abort_shard(receive.ticket)
+    cat.receiver.abort_shard(receive.ticket)
 
 
 def test_a_wait_for_a_step_on_disk_ends_when_the_writer_passed_it_over_for_a_newer_one(tmp_path):
@@ -71,12 +71,13 @@ def test_a_wait_for_a_step_on_disk_ends_when_the_writer_passed_it_over_for_a_new
     done = []
     waiter = threading.Thread(target=lambda: done.append(cat.wait("j", 1, 30, on_disk=True)), daemon=True)
     waiter.start()
-    assert cat.persist_next(timeout=0) and cat.persist_next(timeout=0)  # step 2 written, step 1 passed over
+    # step 2 written, step 1 passed over
+    assert cat.disk_writer.persist_next(timeout=0) and cat.disk_writer.persist_next(timeout=0)
     waiter.join(10)
     assert done == [True]
     assert cat.wait("j", 2, 0, on_disk=True) and not cat.wait("j", 3, 0, on_disk=True)
     receive.join(10)
-    cat.abort_shard(receive.ticket)
+    cat.receiver.abort_shard(receive.ticket)
 
 
 def test_receives_that_wait_for_room_get_it_in_the_order_they_came(tmp_path):
@@ -89,8 +90,8 @@ def test_receives_that_wait_for_room_get_it_in_the_order_they_came(tmp_path):
     small.start()
     wait_for(lambda: waiting(cat, 2), 10, "the second receive to wait")
     # Room for the small one alone would come first; the big one came first and is served first.
-    cat.persist_next(timeout=0)
-    cat.persist_next(timeout=0)
+    cat.disk_writer.persist_next(timeout=0)
+    cat.disk_writer.persist_next(timeout=0)
     for receive in (big, small):
         receive.join(10)
     assert order == ["first", "second"], (order, big.error, small.error)
@@ -100,7 +101,7 @@ def test_a_receive_still_refused_once_no_room_came_in_time(tmp_path):
     cat = full_catalogue(tmp_path)
     cat.retention.room_wait = 0.3
     with pytest.raises(NoSpaceError, match="stayed full"):
-        cat.begin_shard(headers(job="k", step=1, rep_total=8192)[0])
+        cat.receiver.begin_shard(headers(job="k", step=1, rep_total=8192)[0])
     assert waiting(cat, 0)
 
 

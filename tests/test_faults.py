@@ -29,8 +29,8 @@ from netns import Relay
 from runs import assert_identical, last_step, starts
 
 from dashrun.errors import DashError
-from dashrun.memd.tiers.base import MANIFEST
-from dashrun.memd.tiers.disk import DiskTier
+from dashrun.memd.store.tiers.base import MANIFEST
+from dashrun.memd.store.tiers.disk import DiskTier
 from dashrun.wire import layout
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.planner import MemdSource, Planner, everything

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dashrun.memd import membership, rendezvous
-from dashrun.memd.fleet import FleetRequests
-from dashrun.memd.membership import Membership
-from dashrun.memd.rendezvous import RendezvousStates, TokenSource
+from dashrun.memd.fleet import membership, rendezvous
+from dashrun.memd.fleet.requests import FleetRequests
+from dashrun.memd.fleet.membership import Membership
+from dashrun.memd.fleet.rendezvous import RendezvousStates, TokenSource
 from dashrun.wire.messages import MembershipEvent, ShardHeader
 
 

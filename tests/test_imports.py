@@ -348,3 +348,10 @@ print("ran without numpy")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0 and "ran without numpy" in result.stdout, result.stderr[-3000:]
+
+
+def test_only_the_packages_the_layout_names_import_torch():
+    """docs/architecture.md: of the packages, only rank/, launch/, dcp/ and data/ import torch (at any depth)."""
+    importers = {name.split(".")[1] for name, path in MODULES.items() if name.count(".") >= 1
+                 and any(module == "torch" or module.startswith("torch.") for module, _, _ in _imports(name, path))}
+    assert importers == {"rank", "launch", "dcp", "data"}

@@ -1,6 +1,6 @@
 """dash-memd's catalogue under every interleaving of its lifecycle: a model-based test (hypothesis's stateful testing).
 
-One :class:`~dashrun.memd.catalogue.Catalogue` is driven directly, on the test's thread: shards begun,
+One :class:`~dashrun.memd.store.catalogue.Catalogue` is driven directly, on the test's thread: shards begun,
 finished (in any order, duplicated, late) and aborted; commits; disk writes and object-store tasks run
 one at a time; evictions; ``gc`` and ``rm`` — also from inside a disk write or an upload in progress, and
 under a reader; a job's spec; the bucket's listing; and restarts (a new catalogue over the same data dir
@@ -44,9 +44,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dashrun.errors import ChecksumError, ConflictError, NotFoundError, UnavailableError
-from dashrun.memd.catalogue import Catalogue, Ticket
-from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.memd.tiers.base import MANIFEST
+from dashrun.memd.store.catalogue import Catalogue, Ticket
+from dashrun.memd.store.tiers import DiskTier, RamTier
+from dashrun.memd.store.tiers.base import MANIFEST
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c
 
@@ -216,7 +216,7 @@ class Lifecycle(RuleBasedStateMachine):
     def begin(self, job: str, step: int, rank: int, layout: int) -> Open | None:
         """Begin a shard and receive its bytes; None if dash-memd refused it as a duplicate."""
         try:
-            ticket = self.cat.begin_shard(header(job, step, rank, layout))
+            ticket = self.cat.receiver.begin_shard(header(job, step, rank, layout))
         except ConflictError:  # only a duplicate of a committed step may be refused; one in flight replaces
             held = self.cat.ledger.committed.get(job, {}).get(step)
             assert held is not None and held.layout == LAYOUTS[layout], f"{job} step {step} rank {rank} refused"
@@ -234,9 +234,9 @@ class Lifecycle(RuleBasedStateMachine):
         self.open.remove(shard)
         if shard.replaced:  # the newer copy is the one taken; this one's bytes are not, whenever they complete
             with pytest.raises(ConflictError, match="newer copy"):
-                self.cat.finish_shard(shard.ticket, shard.crc)
+                self.cat.receiver.finish_shard(shard.ticket, shard.crc)
             return
-        if self.cat.finish_shard(shard.ticket, shard.crc):
+        if self.cat.receiver.finish_shard(shard.ticket, shard.crc):
             job, step = shard.ticket.header.job, shard.ticket.header.step
             self.alive[job].setdefault(step, set()).add((shard.run, shard.layout))
             self.fresh[job].add(step)
@@ -264,7 +264,7 @@ class Lifecycle(RuleBasedStateMachine):
     def abort_shard(self, data):
         shard = data.draw(st.sampled_from(self.open), label="shard")
         self.open.remove(shard)
-        self.cat.abort_shard(shard.ticket)
+        self.cat.receiver.abort_shard(shard.ticket)
 
     @precondition(lambda self: self.open or any(self.alive.values()))
     @rule(data=st.data())
@@ -301,14 +301,14 @@ class Lifecycle(RuleBasedStateMachine):
     def persist(self, during):
         """The disk writer's next write; ``during`` runs while it writes."""
         self.disk.during_put = self.action(during)
-        self.cat.persist_next(timeout=0)
+        self.cat.disk_writer.persist_next(timeout=0)
         self.disk.during_put = None
 
     @rule(during=ACTIONS)
     def object_task(self, during):
         """The uploader's next task (the listing first); ``during`` runs while an upload is in progress."""
         self.bucket.during_put = self.action(during)
-        self.cat.object_next(timeout=0)
+        self.cat.uploader.next(timeout=0)
         self.bucket.during_put = None
 
     @rule()
@@ -355,9 +355,9 @@ class Lifecycle(RuleBasedStateMachine):
     @rule()
     def settle(self):
         """The disk writer and the uploader do all they have to do."""
-        while self.cat.persist_next(timeout=0):
+        while self.cat.disk_writer.persist_next(timeout=0):
             pass
-        while self.cat.object_next(timeout=0):
+        while self.cat.uploader.next(timeout=0):
             pass
 
     @rule(then=ACTIONS)

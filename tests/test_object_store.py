@@ -20,11 +20,11 @@ from runs import assert_identical, starts
 from test_catalogue import deliver, headers
 
 from dashrun.errors import ChecksumError, UnavailableError
-from dashrun.memd.catalogue import Catalogue, State
-from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.memd.tiers.object import ObjectTier
-from dashrun.memd.tiers.signing import manifest_key
-from dashrun.memd.tombstones import TOMBSTONES
+from dashrun.memd.store.catalogue import Catalogue, State
+from dashrun.memd.store.tiers import DiskTier, RamTier
+from dashrun.memd.store.tiers.object import ObjectTier
+from dashrun.memd.store.tiers.signing import manifest_key
+from dashrun.memd.store.tombstones import TOMBSTONES
 from dashrun.util.tokens import write_token
 from dashrun.wire.messages import JobSpec
 from dashrun.wire.protocol import crc32c
@@ -39,15 +39,15 @@ KEY = manifest_key(b"test_object_store")
 def checkpoint(cat: Catalogue, step: int, job: str = "j") -> list[bytes]:
     """Commit ``step`` (every rank's shard), write it to disk, and let the uploader take it up."""
     payloads = [deliver(cat, header)[1] for header in headers(job, step, rep_total=64 << 10)]
-    assert cat.persist_next(timeout=5)
+    assert cat.disk_writer.persist_next(timeout=5)
     return payloads
 
 
 def drain(cat: Catalogue, timeout: float = 60) -> None:
     """Run queued object-store tasks (the initial listing first), retries included, until none is left."""
     def done():
-        cat.object_next(timeout=0.2)
-        return cat.object_tasks() == 0
+        cat.uploader.next(timeout=0.2)
+        return cat.uploader.tasks_left() == 0
     wait_for(done, timeout, "the object-store tasks", interval=0)
 
 
@@ -85,7 +85,7 @@ def test_checkpoints_move_through_every_state_into_the_bucket(s3_bucket, tmp_pat
     assert 1 not in states                                              # beyond every tier's retention
     assert steps_in_bucket(s3_bucket) == [2, 3, 4]
     assert any(k.endswith("/j/SPEC.json") for k in s3_bucket.keys())
-    assert summary["object_error"] is None and cat.pending_uploads() == 0
+    assert summary["object_error"] is None and cat.uploader.pending_uploads() == 0
 
 
 def test_an_empty_data_dir_restores_from_the_bucket_and_a_corrupt_object_gives_way(s3_bucket, tmp_path):
@@ -150,7 +150,7 @@ def test_a_shard_only_the_bucket_holds_is_downloaded_once_for_every_range_and_st
     drain(first)
     shards = headers("j", 5, rep_total=4 << 20)
     payloads = [deliver(first, header)[1] for header in shards]
-    assert first.persist_next(timeout=5)
+    assert first.disk_writer.persist_next(timeout=5)
     drain(first)
     reborn = Catalogue(RamTier(5 << 20), DiskTier(tmp_path / "empty"), objects=ObjectTier(s3_bucket.url(), key=KEY))
     drain(reborn)
@@ -177,9 +177,9 @@ def test_a_shard_only_the_bucket_holds_is_downloaded_once_for_every_range_and_st
     assert b"".join(got[start] for start, _ in ranges) == payloads[0]
     assert downloads == [("j", 5, 0)]  # one download, verified once, for 16 ranges over 4 streams
     # Idle, it gives way to a receive that needs the room.
-    ticket = reborn.begin_shard(headers("k", 1, rep_total=8 << 20, world=2)[0])
+    ticket = reborn.receiver.begin_shard(headers("k", 1, rep_total=8 << 20, world=2)[0])
     assert reborn.downloads.held() == 0
-    reborn.abort_shard(ticket)
+    reborn.receiver.abort_shard(ticket)
 
 
 def test_a_store_that_is_down_blocks_neither_commits_nor_the_disk(s3_server, s3_bucket, tmp_path):
@@ -190,9 +190,9 @@ def test_a_store_that_is_down_blocks_neither_commits_nor_the_disk(s3_server, s3_
         checkpoint(cat, 1)
         checkpoint(cat, 2)  # committed and on disk while the store is unreachable
         assert cat.latest("j").step == 2 and cat.jobs()[0]["newest"]["state"] == State.ON_DISK.value
-        assert cat.pending_uploads() == 1      # step 2 superseded step 1 in the queue
+        assert cat.uploader.pending_uploads() == 1      # step 2 superseded step 1 in the queue
         # The uploader fails, shows why, and keeps the task for another try.
-        assert cat.object_next(timeout=1)
+        assert cat.uploader.next(timeout=1)
         assert "object store" in cat.jobs()[0]["object_error"]
     finally:
         s3_server.start()  # moto holds nothing after a restart: the bucket comes back empty
@@ -276,7 +276,7 @@ def test_a_restart_with_the_bucket_unreachable_never_loads_a_deleted_step_the_di
     s3_server.stop()
     try:
         reborn = make_catalogue(tmp_path, s3_bucket.url())  # its start scans the disk, the listing fails
-        assert reborn.object_next(timeout=1) and not reborn.uploader.listed
+        assert reborn.uploader.next(timeout=1) and not reborn.uploader.listed
         assert sorted(reborn.ledger.committed.get("j", {})) == [2][:keep]
         assert (reborn.latest("j").step if keep else reborn.latest("j")) == (2 if keep else None)
         assert not (job_dir / f"{1:016d}").exists()  # removed again
@@ -293,7 +293,7 @@ def test_a_full_upload_queue_drops_its_oldest(s3_bucket, tmp_path):
     drain(cat)
     for job in ("a", "b", "c"):
         checkpoint(cat, 1, job=job)
-    assert cat.pending_uploads() == 2
+    assert cat.uploader.pending_uploads() == 2
     drain(cat)
     assert [steps_in_bucket(s3_bucket, job) for job in ("a", "b", "c")] == [[], [1], [1]]
     # Job a's newest checkpoint stays on disk; it goes up at dash-memd's next start.

@@ -26,9 +26,9 @@ from s3server import KEY, S3Server, make_bucket, use_endpoint
 from test_tiers import make_checkpoint
 
 from dashrun.errors import ChecksumError, NotFoundError, SignatureError, UnavailableError, UsageError
-from dashrun.memd.tiers import DiskTier
-from dashrun.memd.tiers.object import ObjectTier
-from dashrun.memd.tiers.signing import manifest_key
+from dashrun.memd.store.tiers import DiskTier
+from dashrun.memd.store.tiers.object import ObjectTier
+from dashrun.memd.store.tiers.signing import manifest_key
 from dashrun.wire.messages import JobSpec
 from dashrun.wire.protocol import crc32c
 
@@ -268,7 +268,7 @@ def test_another_process_reads_the_same_checkpoints_and_specs(s3_bucket):
     expected_crc = info.shards[1].crc
 
     code = ("import json, sys\n"
-            "from dashrun.memd.tiers.object import ObjectTier\n"
+            "from dashrun.memd.store.tiers.object import ObjectTier\n"
             "from dashrun.wire.protocol import crc32c\n"
             "tier = ObjectTier(sys.argv[1], key=bytes.fromhex(sys.argv[2]))\n"
             "with tier.open('job-b', 7, 1) as view:\n"

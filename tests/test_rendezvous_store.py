@@ -14,7 +14,7 @@ import pytest
 from conftest import wait_for
 
 from dashrun.errors import ConflictError, NoSpaceError, ProtocolError
-from dashrun.memd.rendezvous import MAX_RUN_IDS
+from dashrun.memd.fleet.rendezvous import MAX_RUN_IDS
 from dashrun.wire.memd_client import StoreTimeoutError
 from dashrun.wire.messages import (
     MAX_RDZV_STATE,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from dashrun.errors import ChecksumError, NotFoundError
-from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.memd.tiers import disk as disk_tier
-from dashrun.memd.tiers.object import ObjectTier
-from dashrun.memd.tiers.signing import manifest_key
+from dashrun.memd.store.tiers import DiskTier, RamTier
+from dashrun.memd.store.tiers import disk as disk_tier
+from dashrun.memd.store.tiers.object import ObjectTier
+from dashrun.memd.store.tiers.signing import manifest_key
 from dashrun.util.files import write_new
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c
@@ -117,7 +117,7 @@ class TierConformance:
         tier.delete(info.job, info.step)  # deleting again is a no-op
 
     def test_bytes_that_no_longer_match_their_checksum_are_refused_and_nothing_is_stored(self, tier):
-        from dashrun.memd.tiers.base import SourceChanged
+        from dashrun.memd.store.tiers.base import SourceChanged
 
         kept, kept_data = make_checkpoint(step=1)
         tier.put(kept, [memoryview(d) for d in kept_data])
@@ -329,7 +329,7 @@ class TestDiskTier(TierConformance):
             (tmp_path / f"new-{rank}").write_bytes(payload)
         writer = (
             "import json, sys; from pathlib import Path\n"
-            "from dashrun.memd.tiers import DiskTier\n"
+            "from dashrun.memd.store.tiers import DiskTier\n"
             "from dashrun.wire.messages import CheckpointInfo\n"
             "root = Path(sys.argv[1])\n"
             "info = CheckpointInfo.from_body(json.loads((root / 'new.json').read_text()))\n"
@@ -355,7 +355,7 @@ class TestDiskTier(TierConformance):
             (tmp_path / f"new-{rank}").write_bytes(payload)
         writer = (
             "import json, sys; from pathlib import Path\n"
-            "from dashrun.memd.tiers import DiskTier, disk\n"
+            "from dashrun.memd.store.tiers import DiskTier, disk\n"
             "from dashrun.wire.messages import CheckpointInfo\n"
             "disk._RENAMEAT2 = None  # a libc without renameat2: the old copy is moved aside, then the new one in\n"
             "root = Path(sys.argv[1])\n"

@@ -20,7 +20,7 @@ import pytest
 from conftest import Memd, kill_tree
 
 from dashrun.errors import UsageError
-from dashrun.memd.tiers.base import SPEC
+from dashrun.memd.store.tiers.base import SPEC
 from dashrun.util import tokens
 from dashrun.util.tokens import read_token, write_token
 from dashrun.wire.messages import JobSpec

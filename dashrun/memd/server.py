@@ -23,11 +23,11 @@ from typing import Callable
 from dashrun import errors
 from dashrun.errors import ChecksumError, DashError, ProtocolError, RecordTagError, UnavailableError
 from dashrun.memd.admission import Admission, Slot
-from dashrun.memd.catalogue import Catalogue
 from dashrun.memd.config import MemdConfig
-from dashrun.memd.fleet import FleetRequests
+from dashrun.memd.fleet.requests import FleetRequests
 from dashrun.memd.scope import authorize
-from dashrun.memd.tiers import DiskTier, RamTier
+from dashrun.memd.store.catalogue import Catalogue
+from dashrun.memd.store.tiers import DiskTier, RamTier
 from dashrun.util.files import read_or_create_id, write_atomic
 from dashrun.util.problems import ProblemLog
 from dashrun.wire import blocks
@@ -76,14 +76,14 @@ class MemdServer:
         self.config = config
         objects = None
         if config.s3:
-            from dashrun.memd.tiers.object import ObjectTier  # boto3 only when asked for
-            from dashrun.memd.tiers.signing import manifest_key
+            from dashrun.memd.store.tiers.object import ObjectTier  # boto3 only when asked for
+            from dashrun.memd.store.tiers.signing import manifest_key
             objects = ObjectTier(config.s3, key=manifest_key(config.token))
         self.catalogue = Catalogue(RamTier(config.memory_limit), DiskTier(config.data_dir),
                                    keep_ram=config.keep_ram, keep_disk=config.keep_disk, objects=objects,
                                    keep_object=config.keep_object, upload_queue=config.upload_queue)
         self.fleet = FleetRequests(config.data_dir)
-        self.catalogue.fence = self.fleet.membership.check_shard
+        self.catalogue.receiver.fence = self.fleet.membership.check_shard
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._clients: set[socket.socket] = set()
@@ -187,19 +187,21 @@ class MemdServer:
         deadline = time.monotonic() + self.config.shutdown_timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        for line in self.catalogue.unwritten_report():  # tried for --shutdown-timeout: what is lost, by name
+        # tried for --shutdown-timeout: what is lost, by name
+        for line in self.catalogue.disk_writer.unwritten_report():
             log.error("%s", line)
-        if self.catalogue.objects is not None:
-            if self.catalogue.pending_uploads():
+        uploader = self.catalogue.uploader
+        if uploader is not None:
+            if uploader.pending_uploads():
                 log.warning("%d uploads were not done before shutdown; the newest checkpoint of each job on disk "
-                            "goes up at the next start", self.catalogue.pending_uploads())
+                            "goes up at the next start", uploader.pending_uploads())
             self.catalogue.objects.close()
 
     def _disk_loop(self) -> None:
         problems = ProblemLog(log)
         while not self._stopping.is_set():  # between writes, the shards listed at start are checked one by one
             try:
-                self.catalogue.persist_next(timeout=0 if self.catalogue.verify_next() else 0.5)
+                self.catalogue.disk_writer.persist_next(timeout=0 if self.catalogue.verifier.next() else 0.5)
                 self.fleet.rendezvous.flush()  # state files a failing disk left behind RAM, even with no new set
                 problems.ok("loop")
             except Exception as e:  # no error may end the writer: nothing would reach the disk again
@@ -207,17 +209,22 @@ class MemdServer:
                                  level=logging.ERROR, exc_info=True)
                 self._stopping.wait(DISK_LOOP_PAUSE)
         deadline = time.monotonic() + self.config.shutdown_timeout
-        while self.catalogue.pending_disk_writes() and time.monotonic() < deadline:
+        while self.catalogue.disk_writer.pending() and time.monotonic() < deadline:
             try:
-                self.catalogue.persist_next(timeout=0.1)
+                self.catalogue.disk_writer.persist_next(timeout=0.1)
             except Exception:
                 log.exception("disk writer: internal error")
                 time.sleep(DISK_LOOP_PAUSE)
 
+    def _object_status(self) -> dict:
+        """The object tier as ``dashrun status`` shows it."""
+        uploader = self.catalogue.uploader
+        return uploader.status() if uploader is not None else {"object_store": None}
+
     def _object_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                self.catalogue.object_next(timeout=0.5)
+                self.catalogue.uploader.next(timeout=0.5)
             except Exception:  # a bug must not stop uploads for good
                 log.exception("object tier: internal error")
                 self._stopping.wait(5.0)
@@ -346,7 +353,7 @@ class MemdServer:
     def _put_shard(self, ch: Channel, frame: Frame) -> None:
         header = ShardHeader.from_body(frame.body)
         node = field_str(frame.body, "node", 255) if frame.body.get("node") is not None else None
-        ticket = self.catalogue.begin_shard(header, cancel=lambda: _hang_up(ch))
+        ticket = self.catalogue.receiver.begin_shard(header, cancel=lambda: _hang_up(ch))
         try:
             ch.send(Kind.OK, {"accept": True})
             data = ch.recv(max_data=header.nbytes)
@@ -356,9 +363,9 @@ class MemdServer:
             with memoryview(ticket.buffer) as view:
                 crc = ch.recv_data_into(data, [view[:header.nbytes]], marks)
         except BaseException:
-            self.catalogue.abort_shard(ticket)
+            self.catalogue.receiver.abort_shard(ticket)
             raise
-        committed = self.catalogue.finish_shard(ticket, crc, marks)
+        committed = self.catalogue.receiver.finish_shard(ticket, crc, marks)
         if node is not None:  # a node is listed once a shard of it was taken, not for announcing one
             self.catalogue.node_seen(header.job, node)
         ch.send(Kind.OK, {"committed": committed, "crc": crc})
@@ -410,7 +417,7 @@ class MemdServer:
     def _list(self, ch: Channel, frame: Frame) -> None:
         """One page of the jobs' summaries, in job-id order: those after ``after`` (or ``job`` alone), as many as
         ``limit`` and LIST_PAGE_BYTES allow; ``next`` is the ``after`` of the next page (None after the last),
-        ``total`` the number of jobs. A summary is bounded (:mod:`dashrun.memd.listing`), so a page, however
+        ``total`` the number of jobs. A summary is bounded (:mod:`dashrun.memd.store.listing`), so a page, however
         many jobs there are, stays well inside MAX_BODY."""
         body = frame.body
         after = field_job(body, "after") if body.get("after") is not None else None
@@ -427,9 +434,9 @@ class MemdServer:
         ram = self.catalogue.ram
         ch.send(Kind.OK, {"jobs": page, "next": page[-1]["job"] if more and page else None, "total": total,
                           "memory": {"used": ram.used, "limit": ram.limit},
-                          "pending_disk_writes": self.catalogue.pending_disk_writes(),
+                          "pending_disk_writes": self.catalogue.disk_writer.pending(),
                           "tag_failures": self.tag_failures, "forbidden": self.forbidden,
-                          **self.catalogue.object_status()})
+                          **self._object_status()})
 
     def _put_spec(self, ch: Channel, frame: Frame) -> None:
         spec = frame.body.get("spec")

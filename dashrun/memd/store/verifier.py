@@ -22,9 +22,9 @@ import logging
 import threading
 
 from dashrun.errors import ChecksumError, DashError, NotFoundError
-from dashrun.memd.entry import Entry
-from dashrun.memd.ledger import Ledger
-from dashrun.memd.tiers import DiskTier
+from dashrun.memd.store.entry import Entry
+from dashrun.memd.store.ledger import Ledger
+from dashrun.memd.store.tiers import DiskTier
 
 __all__ = ["DiskVerifier"]
 

@@ -9,7 +9,7 @@ old copy is moved aside (``.replaced-<step>-*``) and the new one renamed into
 place, and a scan after a crash in between puts the complete copy back in
 place (the new attempt's if it is complete, else the old one). A removal
 (:meth:`DiskTier.delete`) is fsynced, and the data dir's deletions are
-recorded (:attr:`DiskTier.tombstones`, :mod:`dashrun.memd.tombstones`)
+recorded (:attr:`DiskTier.tombstones`, :mod:`dashrun.memd.store.tombstones`)
 before they are carried out, so that the catalogue's start never loads a
 deleted step a crash brought back. Bytes are checked against their CRC-32C as
 they are written (a copy whose bytes changed in RAM since they arrived is
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError
-from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
-from dashrun.memd.tombstones import TOMBSTONES, Tombstones
+from dashrun.memd.store.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
+from dashrun.memd.store.tombstones import TOMBSTONES, Tombstones
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.faults import crash_point
 from dashrun.util.files import discard_tree, fsync_dir, unmap, write_atomic, write_new

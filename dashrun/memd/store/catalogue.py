@@ -9,7 +9,7 @@ checkpoint no tier holds leaves the catalogue.
 
 :class:`Catalogue` is what the server calls; it serves reads and deletes,
 and hands the rest to its parts, which share one
-:class:`~dashrun.memd.ledger.Ledger` (one condition variable guards all
+:class:`~dashrun.memd.store.ledger.Ledger` (one condition variable guards all
 bookkeeping; bytes move outside it):
 
 * :mod:`.receiver` — shards into RAM, and the commit;
@@ -36,25 +36,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from dashrun.errors import ChecksumError, DashError, NotFoundError, UnavailableError
-from dashrun.memd import listing
-from dashrun.memd.disk_writer import DiskWriter
-from dashrun.memd.downloads import Downloads
-from dashrun.memd.entry import Entry, State
-from dashrun.memd.ledger import Ledger
-from dashrun.memd.receiver import Receiver, Ticket
-from dashrun.memd.retention import Retention
-from dashrun.memd.tiers import DiskTier, RamTier
-from dashrun.memd.tombstones import Tombstone
-from dashrun.memd.uploader import Uploader
-from dashrun.memd.verifier import DiskVerifier
+from dashrun.memd.store import listing
+from dashrun.memd.store.disk_writer import DiskWriter
+from dashrun.memd.store.downloads import Downloads
+from dashrun.memd.store.entry import Entry, State
+from dashrun.memd.store.ledger import Ledger
+from dashrun.memd.store.receiver import Receiver, Ticket
+from dashrun.memd.store.retention import Retention
+from dashrun.memd.store.tiers import DiskTier, RamTier
+from dashrun.memd.store.tombstones import Tombstone
+from dashrun.memd.store.uploader import Uploader
+from dashrun.memd.store.verifier import DiskVerifier
 from dashrun.wire.blocks import Marks
-from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, JobSpec, Notice
 
 if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
-    from dashrun.memd.tiers.object import ObjectTier
+    from dashrun.memd.store.tiers.object import ObjectTier
 
 __all__ = ["Catalogue", "Entry", "State", "Ticket"]
 
@@ -85,6 +85,8 @@ class Catalogue:
         if self.uploader is not None:
             self.uploader.disk_copy_failed = self.verifier.failed
         self.receiver = Receiver(self.ledger, self.retention, self.disk_writer)
+        if self.downloads is not None:  # between writes: the downloads from the bucket no read wants any more go
+            self.disk_writer.between_writes = self._expire_downloads
         self._cond = self.ledger.cond
         self._nodes: dict[str, dict[str, float]] = {}  # job -> node -> when it last sent a shard
         self._notices: dict[str, dict] = {}            # job -> the last interruption notice a node reported
@@ -124,67 +126,9 @@ class Catalogue:
         if self.uploader is not None:
             self.uploader.close()
 
-    # --- receiving --------------------------------------------------------------------
-
-    def begin_shard(self, header: ShardHeader, cancel: Callable[[], None] | None = None) -> Ticket:
-        """Reserve RAM for a shard about to arrive (:meth:`Receiver.begin_shard`)."""
-        return self.receiver.begin_shard(header, cancel)
-
-    def abort_shard(self, ticket: Ticket) -> None:
-        self.receiver.abort_shard(ticket)
-
-    def finish_shard(self, ticket: Ticket, crc: int, marks: Marks | None = None) -> bool:
-        """Store a verified shard; commit its checkpoint if it was the last (:meth:`Receiver.finish_shard`)."""
-        return self.receiver.finish_shard(ticket, crc, marks)
-
-    @property
-    def fence(self) -> Callable[[ShardHeader], None]:
-        """Raises (ConflictError) for a shard its job no longer takes (:attr:`Receiver.fence`)."""
-        return self.receiver.fence
-
-    @fence.setter
-    def fence(self, check: Callable[[ShardHeader], None]) -> None:
-        self.receiver.fence = check
-
-    # --- the disk writer and the uploader -----------------------------------------------
-
-    def persist_next(self, timeout: float) -> bool:
-        """Write the next committed checkpoint to disk. False if none arrived within ``timeout``."""
-        if self.downloads is not None:
-            with self._cond:  # between writes: the downloads from the bucket no read wants any more go
-                self.downloads.expire()
-        return self.disk_writer.persist_next(timeout)
-
-    def pending_disk_writes(self) -> int:
-        """Committed checkpoints held in RAM alone, not superseded by a newer one on disk."""
-        return self.disk_writer.pending()
-
-    def unwritten_report(self) -> list[str]:
-        """One line per job whose committed checkpoints are in RAM alone: the steps a stop now loses."""
-        return self.disk_writer.unwritten_report()
-
-    def verify_next(self) -> bool:
-        """Check the next shard file listed at start against its CRC-32C; False once all are checked."""
-        return self.verifier.next()
-
-    def object_next(self, timeout: float) -> bool:
-        """Run the next object-store task that is due (the initial listing first); False if none was within
-        ``timeout``. A failed task stays first in the queue and is tried again after a pause that doubles."""
-        if self.uploader is None:
-            time.sleep(timeout)
-            return False
-        return self.uploader.next(timeout)
-
-    def object_status(self) -> dict:
-        """The object tier as ``dashrun status`` shows it."""
-        return self.uploader.status() if self.uploader is not None else {"object_store": None}
-
-    def pending_uploads(self) -> int:
-        return self.uploader.pending_uploads() if self.uploader is not None else 0
-
-    def object_tasks(self) -> int:
-        """Object-store tasks queued or running (the initial listing counts as one)."""
-        return self.uploader.tasks_left() if self.uploader is not None else 0
+    def _expire_downloads(self) -> None:
+        with self._cond:
+            self.downloads.expire()
 
     # --- jobs ------------------------------------------------------------------------------
 

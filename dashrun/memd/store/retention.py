@@ -25,8 +25,8 @@ import time
 from typing import Callable
 
 from dashrun.errors import NoSpaceError
-from dashrun.memd.entry import Entry
-from dashrun.memd.ledger import Ledger
+from dashrun.memd.store.entry import Entry
+from dashrun.memd.store.ledger import Ledger
 from dashrun.util.units import format_size
 
 __all__ = ["RECEIVING_TIMEOUT", "ROOM_WAIT", "Retention"]

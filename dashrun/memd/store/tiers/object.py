@@ -67,8 +67,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, SignatureError, UnavailableError, UsageError
-from dashrun.memd.tiers import s3, signing
-from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
+from dashrun.memd.store.tiers import s3, signing
+from dashrun.memd.store.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.retry import Backoff, retry
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader

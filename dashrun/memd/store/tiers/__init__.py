@@ -18,8 +18,8 @@ tests against each tier.
 
 from __future__ import annotations
 
-from dashrun.memd.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
-from dashrun.memd.tiers.disk import DiskTier
-from dashrun.memd.tiers.ram import RamTier
+from dashrun.memd.store.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, Tier
+from dashrun.memd.store.tiers.disk import DiskTier
+from dashrun.memd.store.tiers.ram import RamTier
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "MANIFEST_VERSION", "SPEC", "DiskTier", "RamTier", "Tier"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import collections
 import threading
 
-from dashrun.memd.entry import Entry
-from dashrun.memd.tiers import RamTier
+from dashrun.memd.store.entry import Entry
+from dashrun.memd.store.tiers import RamTier
 from dashrun.wire.messages import JobSpec
 
 __all__ = ["Ledger"]

@@ -24,10 +24,10 @@ import time
 from typing import Callable
 
 from dashrun.errors import ConflictError, NoSpaceError
-from dashrun.memd.disk_writer import DiskWriter
-from dashrun.memd.entry import Entry, State
-from dashrun.memd.ledger import Ledger
-from dashrun.memd.retention import Retention
+from dashrun.memd.store.disk_writer import DiskWriter
+from dashrun.memd.store.entry import Entry, State
+from dashrun.memd.store.ledger import Ledger
+from dashrun.memd.store.retention import Retention
 from dashrun.util.units import format_size
 from dashrun.wire.blocks import Marks, check_marks
 from dashrun.wire.messages import CheckpointInfo, ShardHeader, tiling_problem
@@ -61,7 +61,7 @@ class Receiver:
         self.retention = retention
         self.disk_writer = disk_writer
         #: Raises (ConflictError) for a shard its job no longer takes: one of an older world generation
-        #: (:meth:`dashrun.memd.membership.Membership.check_shard`). Called as a shard is announced and as its
+        #: (:meth:`dashrun.memd.fleet.membership.Membership.check_shard`). Called as a shard is announced and as its
         #: checkpoint commits, with the ledger's lock held; it must not block.
         self.fence: Callable[[ShardHeader], None] = lambda header: None
 

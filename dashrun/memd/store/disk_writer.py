@@ -33,13 +33,14 @@ import logging
 import queue
 import threading
 import time
+from typing import Callable
 
-from dashrun.memd.entry import Entry, State
-from dashrun.memd.ledger import Ledger
-from dashrun.memd.retention import Retention
-from dashrun.memd.tiers import DiskTier
-from dashrun.memd.tiers.base import SourceChanged
-from dashrun.memd.uploader import Uploader
+from dashrun.memd.store.entry import Entry, State
+from dashrun.memd.store.ledger import Ledger
+from dashrun.memd.store.retention import Retention
+from dashrun.memd.store.tiers import DiskTier
+from dashrun.memd.store.tiers.base import SourceChanged
+from dashrun.memd.store.uploader import Uploader
 from dashrun.util.problems import ProblemLog
 from dashrun.util.retry import Backoff
 
@@ -68,6 +69,8 @@ class DiskWriter:
         self.backoffs: dict[str, Backoff] = {}
         #: Step directories whose removal failed: (job, step), removed again before the next write.
         self.undeleted: set[tuple[str, int]] = set()
+        #: Run before each write (the catalogue lets go of the bucket's downloads no read wants any more).
+        self.between_writes: Callable[[], None] = lambda: None
         self.problems = ProblemLog(log)
         #: Held while a step directory goes into place or is removed; taken before the ledger's lock.
         self.lock = threading.Lock()
@@ -126,6 +129,7 @@ class DiskWriter:
     def persist_next(self, timeout: float) -> bool:
         """Write the next committed checkpoint to disk, or try again one whose write failed once its pause is
         over. False if none was due within ``timeout``."""
+        self.between_writes()
         self._delete_again()
         entry = self._next(timeout)
         if entry is None:

@@ -1,6 +1,6 @@
 """What the object tier needs of boto3 and S3: the client, error classification, part transfers.
 
-Imported only by :mod:`dashrun.memd.tiers.object`, so boto3 is loaded only
+Imported only by :mod:`dashrun.memd.store.tiers.object`, so boto3 is loaded only
 when dash-memd has an object tier.
 """
 

@@ -10,7 +10,7 @@ import threading
 from typing import Iterator, Sequence
 
 from dashrun.errors import NoSpaceError, NotFoundError
-from dashrun.memd.tiers.base import SourceChanged, Tier
+from dashrun.memd.store.tiers.base import SourceChanged, Tier
 from dashrun.util.files import populated
 from dashrun.util.units import format_size
 from dashrun.wire.messages import CheckpointInfo

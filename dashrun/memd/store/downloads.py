@@ -27,12 +27,12 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 from dashrun.errors import ChecksumError
-from dashrun.memd.entry import Entry
-from dashrun.memd.ledger import Ledger
-from dashrun.memd.retention import Retention
+from dashrun.memd.store.entry import Entry
+from dashrun.memd.store.ledger import Ledger
+from dashrun.memd.store.retention import Retention
 
 if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
-    from dashrun.memd.tiers.object import ObjectTier
+    from dashrun.memd.store.tiers.object import ObjectTier
 
 __all__ = ["LINGER", "Downloads"]
 

@@ -39,18 +39,18 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from dashrun.errors import ChecksumError, DashError, NotFoundError
-from dashrun.memd.entry import Entry, State
-from dashrun.memd.ledger import Ledger
-from dashrun.memd.retention import Retention
-from dashrun.memd.tiers import DiskTier
-from dashrun.memd.tiers.base import SourceChanged
-from dashrun.memd.tombstones import Tombstone
+from dashrun.memd.store.entry import Entry, State
+from dashrun.memd.store.ledger import Ledger
+from dashrun.memd.store.retention import Retention
+from dashrun.memd.store.tiers import DiskTier
+from dashrun.memd.store.tiers.base import SourceChanged
+from dashrun.memd.store.tombstones import Tombstone
 from dashrun.util.problems import ProblemLog
 from dashrun.util.retry import Backoff
 from dashrun.util.units import format_size
 
 if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
-    from dashrun.memd.tiers.object import ObjectTier
+    from dashrun.memd.store.tiers.object import ObjectTier
 
 __all__ = ["ObjectTask", "Uploader"]
 

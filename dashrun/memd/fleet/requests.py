@@ -2,7 +2,7 @@
 
 :class:`FleetRequests` owns the records behind them (:mod:`.rendezvous`,
 :mod:`.membership`, :mod:`.kvstore`) and answers their requests for the
-server (:mod:`.server`), which dispatches to :meth:`FleetRequests.handlers`
+server (:mod:`dashrun.memd.server`), which dispatches to :meth:`FleetRequests.handlers`
 as to its own. Rendezvous states are sent as base64 in the request's body and
 come back as the reply's data; so do store values. ``dashrun rm`` of a job
 (DELETE of all its checkpoints) removes its records here too
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from dashrun.errors import ConflictError, ProtocolError
-from dashrun.memd.kvstore import KeyValueStore
-from dashrun.memd.membership import MEMBERSHIP, Membership
-from dashrun.memd.rendezvous import RENDEZVOUS, RendezvousStates
+from dashrun.memd.fleet.kvstore import KeyValueStore
+from dashrun.memd.fleet.membership import MEMBERSHIP, Membership
+from dashrun.memd.fleet.rendezvous import RENDEZVOUS, RendezvousStates
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.messages import MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, MembershipEvent
 from dashrun.wire.protocol import (

@@ -343,13 +343,19 @@ def test_gcp_poller_watches_with_the_hanging_get(lab, problems):
     hanging = [r for r in fake.requests if r.path.endswith("/preempted") and "wait_for_change" in r.query]
     assert hanging and all(r.query["last_etag"][0] and r.query["timeout_sec"] == ["1"] for r in hanging)
     assert all(r.header("Metadata-Flavor") == "Google" for r in fake.requests)
+    # GCP gives 30 s from when the poller sees the notice: between the notice served and the notice reported.
+    before = time.time()
     fake.preempt()
-    seen = time.time()
-    notice = watch.wait_notice(NoticeKind.PREEMPT, timeout=5)
-    assert notice.cloud == "gcp" and not notice.early_warning and abs(notice.deadline - (seen + 30)) < 2
+    notice = watch.wait_notice(NoticeKind.PREEMPT, timeout=30)
+    after = time.time()
+    assert notice.cloud == "gcp" and not notice.early_warning
+    assert before + 30 <= notice.deadline <= after + 30, (before, notice.deadline, after)
+    before = time.time()
     fake.early()
-    maintenance = watch.wait_notice(NoticeKind.MAINTENANCE, timeout=5)
-    assert maintenance.early_warning and abs(maintenance.deadline - (time.time() + 3600)) < 5
+    maintenance = watch.wait_notice(NoticeKind.MAINTENANCE, timeout=30)
+    after = time.time()
+    assert maintenance.early_warning and before + 3600 <= maintenance.deadline <= after + 3600, \
+        (before, maintenance.deadline, after)
     watch.wait_rounds(2)
     assert len(watch.notices) == 2
     assert problems() == []

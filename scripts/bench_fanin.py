@@ -257,7 +257,8 @@ def report(args: argparse.Namespace, loopback: dict, results: list[dict]) -> boo
         overhead = r["idle_rss"] + r["connections"] * r["per_connection"]
         within = r["rss_max"] <= r["memory_limit"] + overhead
         restore_ok = not r["restore_problems"]
-        ok &= ratio >= TARGET_INGEST_OVER_LOOPBACK and not starved and within and restore_ok
+        ok &= within and restore_ok and (args.no_speed_targets or (ratio >= TARGET_INGEST_OVER_LOOPBACK
+                                                                    and not starved))
         lat = r["latency_all"]
         print(f"\n[{label}] {args.nodes} nodes x {args.ranks} ranks, {args.state_mib} MiB each, "
               f"{args.checkpoints} checkpoints per node after {args.warmup} of warm-up")
@@ -300,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where logs and dash-memd's data go (default: a temporary directory, "
                                           "removed at the end unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--no-speed-targets", action="store_true",
+                        help="report the ingest and starvation targets without exiting 1 for them (a busy machine "
+                             "misses them); dash-memd's memory bound and the restores still count")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"tls", "plain"} or min(args.nodes, args.ranks, args.state_mib, args.checkpoints) < 1:

@@ -36,12 +36,53 @@ def test_memd_stops_cleanly_on_signals(memd, signals):
     assert "shutting down" in memd.log()
 
 
-def test_agent_stops_cleanly_and_when_its_launcher_dies(memd, agent_factory):
+def test_agent_stops_cleanly_on_repeated_sigterm(memd, agent_factory):
     agent = agent_factory(memd)
     for _ in range(3):
         agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(timeout=60) == 0
     assert not agent.socket_path.exists()
+
+
+#: A launcher as dashrun's is to its dash-agent: the agent in a session of its own, told the launcher's pid; then
+#: the launcher blocks (on its stdin) until it is killed.
+LAUNCHER = """
+import os, subprocess, sys
+with open(sys.argv[1], "w") as log:
+    agent = subprocess.Popen([sys.executable, "-m", "dashrun.agent", *sys.argv[2:], "--parent-pid", str(os.getpid())],
+                             stdout=log, stderr=log, start_new_session=True)
+print(agent.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_agent_exits_by_itself_when_its_launcher_is_killed_outright(memd, tmp_path):
+    """SIGKILL leaves the launcher no time to stop its agent, and the agent's own session spares it the terminal's
+    signals: the agent sees its --parent-pid go, delivers what it holds, removes its socket and exits."""
+    from dashrun.util import daemon
+
+    socket_path, log = tmp_path / "agent.sock", tmp_path / "agent.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(log), "--memd", memd.address, "--token-file", str(memd.token_file),
+         "--socket", str(socket_path), "--drain-timeout", "10", *memd.tls_args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    agent = None
+    try:
+        agent = psutil.Process(int(launcher.stdout.readline()))
+        wait_for(daemon.accepting(socket_path), 60, "dash-agent to accept on its socket")
+        assert agent.ppid() == launcher.pid
+        launcher.kill()
+        assert launcher.wait(timeout=60) == -signal.SIGKILL
+        # Orphaned, the agent is no child of this test's: gone (or a zombie its new parent has yet to reap).
+        wait_for(lambda: not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE, 60,
+                 "dash-agent to exit once its launcher is gone")
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if agent is not None and agent.is_running():
+            agent.kill()
+    assert f"launcher (pid {launcher.pid}) is gone" in log.read_text()
+    assert not socket_path.exists()
 
 
 def hand_over(link: AgentLink, job: str, step: int):

@@ -92,13 +92,34 @@ def assert_no_step_twice(out: Path, steps: int) -> None:
     assert all(len(gens) == 1 for gens in ran.values()), "a step was done twice"
 
 
-def assert_redone_at_most(out: Path, steps: int, interval: int, lost_after: int) -> None:
-    """Every step ran; those run twice are at most an interval's, from the lost node's last step back."""
+def committed_step(memd, job: str) -> int:
+    """The newest step of ``job`` dash-memd has committed now (-1: none)."""
+    with memd.client() as client:
+        info = client.latest(job)
+    return -1 if info is None else info.step
+
+
+def assert_redone_at_most(out: Path, steps: int, interval: int, lost_after: int,
+                          committed_before: int | None = None) -> None:
+    """Every step ran; those run twice are the run of steps after the checkpoint the next world restored, up to
+    the lost node's last step (or the one it was in, ``lost_after + 1``), and none that dash-memd had committed
+    before the loss (``committed_before``, where the test read it). That is ``interval`` steps, or fewer, where
+    the newest checkpoint due had been committed; a checkpoint is committed after the step it holds, so one still
+    on its way from the lost node (its shard dies with the node's dash-agent) adds the steps run meanwhile."""
     ran = runs_of_steps(out)
     assert sorted(ran) == list(range(steps))
-    redone = [step for step, gens in ran.items() if len(gens) > 1]
-    assert len(redone) <= interval + 1, f"steps {redone} redone: more than the interval"
-    assert all(step <= lost_after + 1 for step in redone), redone
+    redone = sorted(step for step, gens in ran.items() if len(gens) > 1)
+    if not redone:
+        return
+    assert redone == list(range(redone[0], redone[-1] + 1)), f"steps {redone} redone: not one run of steps"
+    restored = {int(line.split(" ")[1]) for path in out.glob("*.log") for line in path.read_text().splitlines()
+                if line.startswith("start ")}  # the step each rank's restore() resumed at
+    assert redone[0] in restored, f"steps {redone} redone, but no rank resumed at {redone[0]}: {sorted(restored)}"
+    assert redone[-1] <= lost_after + 1, f"steps {redone} redone: past the lost node's step {lost_after}"
+    if committed_before is not None:
+        assert redone[0] > committed_before, f"steps {redone} redone: step {committed_before} was committed"
+    else:
+        assert len(redone) <= interval + 1, f"steps {redone} redone: more than the interval"
 
 
 def worlds(out: Path) -> list[int]:
@@ -245,11 +266,12 @@ def test_the_first_node_killed_outright_the_others_go_on(memd, nodes, tmp_path):
     wait_for(lambda: newest_step(out) >= 9 or any(n.proc.poll() is not None for n in nodes), 180,
              "the three nodes to train")
     assert worlds(out) == [3], nodes[0].log()[-3000:]
+    committed_before = committed_step(memd, job)
     killed_after = newest_step(out)
     nodes[0].stop()  # SIGKILL, the launcher's whole session
     assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
     assert nodes[2].wait() == 0, nodes[2].log()[-3000:]
-    assert_redone_at_most(out, steps, interval, killed_after)
+    assert_redone_at_most(out, steps, interval, killed_after, committed_before)
     assert worlds(out) == [3, 2]
     assert "world 3 -> 2: 127.0.0.1 lost" in nodes[1].log() + nodes[2].log()
     assert_each_sample_once(out)
@@ -317,13 +339,14 @@ def test_a_node_gone_silent_the_others_go_on(memd, nodes, tmp_path):
     wait_for(lambda: newest_step(out) >= 9 or any(n.proc.poll() is not None for n in nodes), 180,
              "the three nodes to train")
     assert worlds(out) == [3], nodes[0].log()[-3000:]
+    committed_before = committed_step(memd, job)
     silent_after = newest_step(out)
     launcher = psutil.Process(nodes[2].proc.pid)
     for process in (launcher, *launcher.children(recursive=True)):
         process.suspend()  # SIGKILLed, stopped or not, by the fixture
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
     assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
-    assert_redone_at_most(out, steps, interval, silent_after)
+    assert_redone_at_most(out, steps, interval, silent_after, committed_before)
     assert worlds(out) == [3, 2]
     assert f"world 3 -> 2: {nodes[2].name} lost" in nodes[0].log() + nodes[1].log()
     assert_each_sample_once(out)
@@ -340,11 +363,12 @@ def test_a_node_cut_off_the_network_the_others_go_on(fleet_factory, memd_factory
     wait_for(lambda: newest_step(out) >= 9 or any(n.proc.poll() is not None for n in nodes), 180,
              "the three nodes to train")
     assert worlds(out) == [3], nodes[0].log()[-3000:]
+    committed_before = committed_step(memd, job)
     cut_after = newest_step(out)
     fleet[2].link_down()
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
     assert nodes[1].wait() == 0, nodes[1].log()[-3000:]
-    assert_redone_at_most(out, steps, interval, cut_after)
+    assert_redone_at_most(out, steps, interval, cut_after, committed_before)
     assert worlds(out) == [3, 2]
     assert f"world 3 -> 2: {fleet[2].address} lost" in nodes[0].log() + nodes[1].log()
     assert_each_sample_once(out)
@@ -377,12 +401,13 @@ def test_a_fleet_in_namespaces_shrinks_grows_and_loses_its_first_node(fleet_fact
     grown_at = newest_step(out)
     wait_for(lambda: newest_step(out) >= grown_at + interval + 2 or not running(), 120, "the grown world to train")
     assert running() and worlds(out) == [3, 2, 3], first.log()[-3000:]
+    committed_before = committed_step(memd, job)
     killed_after = newest_step(out)
     first.stop()  # SIGKILL, the launcher's whole session
     assert second.wait() == 0, second.log()[-3000:]
     assert joined.wait() == 0, joined.log()[-3000:]
     assert worlds(out) == [3, 2, 3, 2]
-    assert_redone_at_most(out, steps, interval, killed_after)
+    assert_redone_at_most(out, steps, interval, killed_after, committed_before)
     redone = [step for step, gens in runs_of_steps(out).items() if len(gens) > 1]
     assert all(step > grown_at for step in redone), f"steps {redone} redone at the notice or the join"
     console = second.log() + joined.log()

@@ -111,8 +111,9 @@ def test_the_fanin_benchmark_runs_end_to_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_fanin.py"), "--nodes", "2", "--ranks", "1", "--state-mib", "1",
          "--checkpoints", "2", "--warmup", "1", "--modes", "tls", "--workdir", str(tmp_path / "work"),
-         "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: a target not met on a busy machine
+         "--json", str(out), "--no-speed-targets"], capture_output=True, text=True, timeout=300)
+    # The speed targets are not this machine's to meet (it is shared); the memory bound and the restores are.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     result = json.loads(out.read_text())
     run = result["results"][0]

@@ -181,7 +181,9 @@ def test_memd_hung_for_30s_training_goes_on_and_checkpointing_comes_back(memd, t
         os.kill(memd.proc.pid, signal.SIGCONT)
     resumed_step = last_step(out)
     assert run.running(), run.output()[-3000:]
-    assert during >= before / 2, f"training stalled: {during:.2f} steps/s while dash-memd hung, {before:.2f} before"
+    # Steps of 2 s through a 30 s hang: a training held by its checkpoints would end at most the step it was in.
+    assert resumed_step - hung_step >= 3, \
+        f"training stalled: {resumed_step - hung_step} steps while dash-memd hung ({during:.2f}/s, {before:.2f} before)"
     assert stats["skipped"] > 0, stats  # due snapshots were skipped (both buffers on their way), and counted
 
     # Checkpointing comes back by itself: a snapshot taken after the hang commits.

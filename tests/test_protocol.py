@@ -34,8 +34,9 @@ def test_header_golden_bytes():
     assert body == b'{"job":"gpt-1","step":7}'
     raw = encode_header(Kind.LATEST, body, data_len=5)
     assert raw == (b"DASH" + bytes([4, 18]) + b"\x00\x00" + struct.pack("!I", len(body))
-                   + struct.pack("!Q", 5) + struct.pack("!I", crc32c(body)))
-    assert raw.hex() == "4441534804120000000000180000000000000005dfdb4ae7"  # the CRC-32C pinned too
+                   + struct.pack("!Q", 5) + struct.pack("!I", 0xDFDB4AE7))
+    # The CRC-32C pinned (computed bit by bit with the Castagnoli polynomial 0x82F63B78, not by crc32c()).
+    assert raw.hex() == "4441534804120000000000180000000000000005dfdb4ae7"
     header = decode_header(raw, max_body=1024, max_data=10)
     assert (header.kind, header.body_len, header.data_len) == (Kind.LATEST, len(body), 5)
     assert decode_body(header, body) == {"job": "gpt-1", "step": 7}

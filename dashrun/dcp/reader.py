@@ -61,7 +61,10 @@ class Reader(Connected, StorageReader):
     committed step of the job (looked up by each rank: pass the step when
     another save may commit meanwhile). The job and dash-memd are found as
     :class:`~dashrun.dcp.Writer` finds them; ``client=`` reuses an open connection (not
-    closed by the reader). ``bytes_read`` counts the item bytes it fetched.
+    closed by the reader). ``bytes_read`` counts the item bytes it fetched, and
+    ``bytes_via`` splits them by the path they took: ``"agent"`` (the node's
+    dash-agent put them in the node's image) or ``"memd"`` (read straight
+    from dash-memd, as the only rank of a node does).
 
     Values DCP pickled (``BYTE_IO``: whatever is not a tensor) are never
     fully unpickled unless ``allow_pickle=True``: the bytes dash-memd serves
@@ -99,6 +102,7 @@ class Reader(Connected, StorageReader):
         self.info: CheckpointInfo | None = None
         self.metadata: Metadata | None = None
         self.bytes_read = 0
+        self.bytes_via = {"agent": 0, "memd": 0}
         self.load_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
@@ -276,11 +280,13 @@ class Reader(Connected, StorageReader):
             mapped, tails = self._image
             start = tails[where.rank] + where.start + offset
             view[:] = mapped[start:start + len(view)]  # a view of the mapping: one copy, no bytes object
+            self.bytes_via["agent"] += len(view)
         else:  # through the restore's source planner, as the agent reads (dash-memd's RAM, disk or bucket)
             start = where.start + offset
             tails = [-start] * len(self.info.shards)  # where each saved rank's private part would begin in view
             extents = pieces(self.info, tails, [(where.rank, start, start + len(view))])
             Planner([MemdSource(self._lend, streams=1)]).read(self.info, extents, view)
+            self.bytes_via["memd"] += len(view)
         self.bytes_read += len(view)
 
     @contextlib.contextmanager

@@ -61,12 +61,16 @@ class Writer(Connected, StorageWriter):
     ``memd=`` (``HOST:PORT``; default ``DASH_MEMD``) with the token in
     ``token_file=`` (default ``DASH_TOKEN_FILE``). ``dcp.save`` returns once
     dash-memd has committed the step. DCP must coordinate the ranks
-    (``use_collectives=True``, its default).
+    (``use_collectives=True``, its default). ``sent_via`` says the path the
+    last shard this object sent took: ``"agent"`` or ``"memd"`` (``None``
+    before one is sent, or where DCP sent it from a copy of the writer in
+    its checkpointing process).
     """
 
     _UNPICKLED = ("_client", "_link", "_pending")
     _link = None
     _pending: tuple[ShardHeader, list[Any], dict[str, Any]] | None = None  # (header, parts, the "dcp" part)
+    sent_via: str | None = None
 
     def __init__(self, job: str | None = None, memd: str | tuple[str, int] | None = None,
                  token_file: str | os.PathLike | None = None, *, step: int | None = None,
@@ -163,12 +167,14 @@ class Writer(Connected, StorageWriter):
         try:
             if self._target.agent_socket is not None:
                 self._send_by_agent(header, views, wait_commit)
+                self.sent_via = "agent"
             else:
                 reply = self._memd().put_shard(header, views)
                 if wait_commit and not reply.get("committed") and not self._memd().wait(
                         header.job, header.step, self.commit_timeout):
                     raise NotFoundError(f"dash-memd did not commit {header.job} step {header.step} within "
                                         f"{self.commit_timeout:g} s", hint="did every rank of the save reach it?")
+                self.sent_via = "memd"
         finally:
             self._pending = None
 

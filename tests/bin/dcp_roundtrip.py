@@ -112,7 +112,7 @@ def main() -> None:
                      if isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata))
         report["loads"].append({"step": step, "differ": differ, "extra": state["extra"]["step"],
                                 "bytes_read": reader.bytes_read, "needed": local_bytes(state) + opaque,
-                                "transport": "agent" if reader._target.agent_socket else "memd"})
+                                "transport": sorted(via for via, n in reader.bytes_via.items() if n)})
         reader.close()
 
     if args.train:
@@ -121,7 +121,6 @@ def main() -> None:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "extra": {"step": args.save}}
         writer = ddcp.Writer(args.job, args.memd, args.token_file, tls=tls)
-        report["transport"] = "agent" if writer._target.agent_socket else "memd"
         if args.async_process:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -130,6 +129,7 @@ def main() -> None:
             getattr(response, "upload_completion", response).result()
         else:
             dcp.save(state, checkpoint_id=f"step-{args.save}", storage_writer=writer)
+        report["transport"] = writer.sent_via  # None where DCP's checkpointing process sent the shard
         ref = full({"model": model_sd, "optim": optim_sd})
         if rank == 0:
             torch.save(ref, args.out / f"ref-{args.save}.pt")

@@ -308,6 +308,13 @@ class MemdClient:
             raise ProtocolError("malformed MEMBERSHIP reply")
         return [MembershipEvent.from_body(event) for event in raw]
 
+    def live_members(self, job: str) -> int | None:
+        """How many nodes of the job heartbeat in its rendezvous now; None where it has none (not elastic)."""
+        live = self._request(lambda ch: ch.call(Kind.MEMBERSHIP, {"job": job}).body.get("live"))
+        if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
+            raise ProtocolError("malformed MEMBERSHIP reply")
+        return live
+
     # --- the job's key/value store ---------------------------------------------------------------
 
     def store_set(self, job: str, key: str, value: bytes) -> None:

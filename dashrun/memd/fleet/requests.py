@@ -138,7 +138,13 @@ class FleetRequests:
                 break
             events.append(encoded)
         ch.send(Kind.OK, {"events": events[::-1], "omitted": len(history) - len(events),
-                          "generation": self.membership.generation(job)})
+                          "generation": self.membership.generation(job), "live": self.live_members(job)})
+
+    def live_members(self, job: str) -> int | None:
+        """How many members of ``job``'s rendezvous heartbeat now; None where it has no rendezvous of dashrun's
+        (a job that is not elastic: nothing here says whether it runs)."""
+        found = self.rendezvous.liveness(job)
+        return sum(f.live for f in found) if found else None
 
     # --- the jobs' key/value stores ---------------------------------------------------------
 

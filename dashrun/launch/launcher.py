@@ -311,13 +311,13 @@ def run(config: NodeConfig) -> int:
             stack.enter_context(DiskWatch(options))
             watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PreemptionRecord.FILE, stop))
             if not config.elastic:  # an elastic job's agent records its nodes' joins (dashrun.launch.elastic)
-                _record_launch(options, "joined", "started", launch_config.min_nodes)
+                _record_launch(options, launch_config, "joined", "started", launch_config.min_nodes)
             code = _launch_ranks(config, launch_config, entrypoint, entrypoint_args, options, agent, watcher, stop)
             if code is None:  # preempted
                 if not config.elastic:  # an elastic node that leaves records it itself
-                    _record_launch(options, "left", "interruption notice", 0)
+                    _record_launch(options, launch_config, "left", "interruption notice", 0)
                 return report_preempted(options, watcher)
-            _record_launch(options, "finished" if code == ExitCode.OK else "failed",
+            _record_launch(options, launch_config, "finished" if code == ExitCode.OK else "failed",
                            "ranks exited 0" if code == ExitCode.OK else f"exit code {code}", launch_config.min_nodes)
             return code
     finally:
@@ -359,15 +359,19 @@ def _launch_ranks(config: NodeConfig, launch_config, entrypoint, entrypoint_args
     return int(ExitCode.OK)
 
 
-def _record_launch(options: LaunchOptions, change: str, why: str, world: int) -> None:
+def _record_launch(options: LaunchOptions, launch_config, change: str, why: str, world: int) -> None:
     """Add this launch's start or end to the job's membership history in dash-memd (what ``dashrun status``
-    reads its state from); a dash-memd that cannot be reached now costs the record alone, with a warning."""
+    reads its state from); a dash-memd that cannot be reached now costs the record alone, with a warning. The
+    node is named as torch's rendezvous names it (--local-addr, else the host's name), as the elastic agent's
+    events name it."""
+    node = (launch_config.local_addr or socket.getfqdn())[:255] or "node"
+
     def attempt() -> None:
         with MemdClient(*options.memd, read_token(options.token_file, warn=False), timeout=10,
                         tls=options.tls) as client:
             newest = client.latest(options.job_id)
             client.record_membership(options.job_id, MembershipEvent(
-                time.time(), socket.gethostname()[:255] or "node", change, why, world, 0,
+                time.time(), node, change, why, world, 0,
                 newest.step if newest is not None else None, None))
 
     try:

@@ -166,23 +166,21 @@ def _membership_line(event: MembershipEvent, world_before: int | None) -> str:
     return "  " + "  ".join(parts)
 
 
-def _with_state(client: MemdClient, entry: dict, events: list[MembershipEvent] | None = None) -> dict:
+def _with_state(entry: dict, events: list[MembershipEvent], live: int | None) -> dict:
     """``entry`` (a job's summary in LIST) with its ``state``, ``restarts`` and ``steps_per_second``, from its
     membership history and its live members in dash-memd (:mod:`dashrun.launch.jobstate`)."""
-    job = entry["job"]
-    events = client.membership(job) if events is None else events
-    return {**entry, "state": job_state(events, client.live_members(job)).value, "restarts": restarts(events),
+    return {**entry, "state": job_state(events, live).value, "restarts": restarts(events),
             "steps_per_second": steps_per_second(entry.get("checkpoints", []))}
 
 
 def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool, wide: bool) -> None:
     """``dashrun status JOB``: the job's line of the table, then its membership history."""
     entry = next((j for j in listing.get("jobs", []) if j["job"] == job), None)
-    events = client.membership(job)
+    events, live = client.membership_view(job)
     generation = client.generation(job)
     if entry is None and not events and not generation:
         raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
-    entry = _with_state(client, entry or {"job": job, "checkpoints": []}, events)
+    entry = _with_state(entry or {"job": job, "checkpoints": []}, events, live)
     if as_json:
         _print_json({**entry, "generation": generation, "membership": [event.to_body() for event in events]})
         return
@@ -215,7 +213,9 @@ def status(job, memd, token_file, json, wide) -> None:  # noqa: A002 (the name m
         if job is not None:
             _job_status(client, listing, job, json, wide)
             return
-        listing["jobs"] = [_with_state(client, entry) for entry in listing.get("jobs", [])]
+        # one MEMBERSHIP request per job listed: the state is the client's reading of the facts dash-memd keeps
+        listing["jobs"] = [_with_state(entry, *client.membership_view(entry["job"]))
+                           for entry in listing.get("jobs", [])]
     if json:
         _print_json(listing)
         return
@@ -389,11 +389,12 @@ def rm(job, yes, force_live, memd, token_file) -> None:
 
 
 def _known(client: MemdClient, job: str) -> bool:
-    """Whether dash-memd holds anything of ``job``: a checkpoint, a launch spec, a membership record."""
-    listing = client.list(job)
-    return (any(j["job"] == job for j in listing.get("jobs", [])) or bool(client.membership(job))
-            or bool(client.generation(job)) or client.get_spec(job) is not None
-            or client.live_members(job) is not None)
+    """Whether dash-memd holds anything of ``job``: a checkpoint, a launch spec, a membership record, a
+    rendezvous."""
+    if any(j["job"] == job for j in client.list(job).get("jobs", [])):
+        return True
+    events, live = client.membership_view(job)
+    return bool(events) or live is not None or bool(client.generation(job)) or client.get_spec(job) is not None
 
 
 def _shell_word(arg: str) -> str:

@@ -184,6 +184,9 @@ def test_a_notice_on_one_node_of_three_shrinks_the_world_and_loses_no_step(memd,
     wait_for(lambda: newest_step(out) >= 6 or any(n.proc.poll() is not None for n in nodes), 180,
              "the three nodes to train")
     assert all(n.proc.poll() is None for n in nodes), nodes[0].log()[-3000:]
+    with memd.client() as client:  # what dashrun status shows of it now
+        events, live = client.membership_view(job)
+        assert live == 3 and job_state(events, live) is JobState.RUNNING
     fake.notice()
     assert nodes[2].wait() == PREEMPTED, nodes[2].log()[-3000:]
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]

@@ -4,7 +4,9 @@
 :mod:`.membership`, :mod:`.kvstore`) and answers their requests for the
 server (:mod:`dashrun.memd.server`), which dispatches to :meth:`FleetRequests.handlers`
 as to its own. Rendezvous states are sent as base64 in the request's body and
-come back as the reply's data; so do store values. ``dashrun rm`` of a job
+come back as the reply's data; so do store values. A MEMBERSHIP reply also
+counts the job's members that heartbeat now (``live``; None without a
+rendezvous), from which ``dashrun status`` tells a running job. ``dashrun rm`` of a job
 (DELETE of all its checkpoints) removes its records here too
 (:meth:`FleetRequests.delete_job`), as it removes the job's launch spec and
 notices; it is refused while nodes of the job are alive, by the heartbeats in

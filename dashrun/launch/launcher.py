@@ -365,17 +365,12 @@ def _record_launch(options: LaunchOptions, launch_config, change: str, why: str,
     node is named as torch's rendezvous names it (--local-addr, else the host's name), as the elastic agent's
     events name it."""
     node = (launch_config.local_addr or socket.getfqdn())[:255] or "node"
-
-    def attempt() -> None:
+    try:
         with MemdClient(*options.memd, read_token(options.token_file, warn=False), timeout=10,
                         tls=options.tls) as client:
             newest = client.latest(options.job_id)
             client.record_membership(options.job_id, MembershipEvent(
-                time.time(), node, change, why, world, 0,
-                newest.step if newest is not None else None, None))
-
-    try:
-        attempt()
+                time.time(), node, change, why, world, 0, newest.step if newest is not None else None, None))
     except DashError as e:
         log.warning("could not record in dash-memd that job %s %s: %s", options.job_id, change, e)
 

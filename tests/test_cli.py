@@ -313,6 +313,57 @@ def test_status_and_ls(finished_job):
     assert table.returncode == 0 and "cli" in table.stdout
     missing = dashrun("ls", "nope", *memd_args(memd))
     assert missing.returncode == 1 and "knows no job" in missing.stderr
+    jobs = dashrun("ls", *memd_args(memd), "--json")
+    assert jobs.returncode == 0, jobs.stderr
+    assert json.loads(jobs.stdout)["jobs"] == [{"job": "cli", "checkpoints": 2, "newest_step": 9}]
+    plain = dashrun("ls", *memd_args(memd))
+    assert plain.returncode == 0 and "cli" in plain.stdout and "9" in plain.stdout
+
+
+@pytest.mark.slow
+def test_status_says_a_finished_job_finished_and_a_failing_one_failed(memd, tmp_path):
+    """The launcher records how each launch ended in dash-memd's membership history; status reads it."""
+    job = "a-job-id-long-enough-to-be-cut-in-a-narrow-table-0123456789"
+    done = run(dashrun_cmd(memd, str(TRAIN), "--steps", "10", "--interval", "5", "--out", str(tmp_path / "a"),
+                           job=job))
+    assert done.returncode == 0, done.stderr[-3000:]
+    failing = run(dashrun_cmd(memd, str(TRAIN), "--steps", "20", "--interval", "5", "--out", str(tmp_path / "b"),
+                              job="crashes"), env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
+    assert failing.returncode == 1, failing.stderr[-3000:]
+    status = dashrun("status", *memd_args(memd), "--json")
+    assert status.returncode == 0, status.stderr
+    jobs = {j["job"]: j for j in json.loads(status.stdout)["jobs"]}
+    assert (jobs[job]["state"], jobs["crashes"]["state"]) == ("finished", "failed")
+    assert jobs[job]["restarts"] == 0 and jobs[job]["steps_per_second"] > 0
+    one = json.loads(dashrun("status", job, *memd_args(memd), "--json").stdout)
+    assert [e["change"] for e in one["membership"]] == ["joined", "finished"] and one["membership"][-1]["step"] == 9
+    history = dashrun("status", "crashes", *memd_args(memd))
+    assert history.returncode == 0 and "failed" in history.stdout and "exit code 1" in history.stdout
+    for columns in ("60", "200"):  # the job id whole, however narrow the terminal: the other columns wrap
+        table = dashrun("status", *memd_args(memd), env={"COLUMNS": columns})
+        assert table.returncode == 0 and job in table.stdout and "finished" in table.stdout, table.stdout
+    wide = dashrun("status", *memd_args(memd), "--wide", env={"COLUMNS": "60"})
+    assert wide.returncode == 0 and job in wide.stdout
+    assert any("last notice" in line and "restarts" in line for line in wide.stdout.splitlines()), wide.stdout
+    relaunched = run(dashrun_cmd(memd, str(TRAIN), "--steps", "20", "--interval", "5", "--out", str(tmp_path / "b"),
+                                 job="crashes"))
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    again = {j["job"]: j for j in json.loads(dashrun("status", *memd_args(memd), "--json").stdout)["jobs"]}
+    assert (again["crashes"]["state"], again["crashes"]["restarts"]) == ("finished", 1)
+
+
+@pytest.mark.parametrize("command", [["status", ""], ["ls", ""], ["rm", "", "--yes"], ["gc", "", "--keep", "1"],
+                                     ["export", "", "out.pt"], ["resume", ""], ["resume", "--job-id", ""]],
+                         ids=" ".join)
+def test_an_empty_job_id_is_a_usage_error(command, tmp_path):
+    result = dashrun(*command, "--memd", "127.0.0.1:1", "--token-file", "token", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "the job id is empty" in result.stderr.splitlines()[-1] and "Traceback" not in result.stderr
+
+
+def test_an_empty_job_id_stops_a_launch(tmp_path):
+    result = dashrun("--job-id", "", "--nproc-per-node", "1", str(TRAIN), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines()[0] == "dashrun: error: --job-id is empty"
 
 
 def _strip_ddp(state: dict) -> dict:
@@ -371,6 +422,38 @@ def test_gc_and_rm(finished_job):
     assert not (memd.data_dir / "jobs" / "cli" / "0000000000000009").exists()
     gone = dashrun("resume", "--job-id", "cli", *memd_args(memd), "--operator-pubkey", str(memd.operator_pubkey))
     assert gone.returncode == 1 and "no launch spec" in gone.stderr
+
+
+def test_rm_of_a_job_that_does_not_exist_says_so_in_one_line(memd):
+    result = dashrun("rm", "nope", "--yes", *memd_args(memd))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == ["dashrun: error: dash-memd knows no job 'nope': nothing to remove",
+                                          "dashrun: hint: see the jobs with: dashrun ls"]
+
+
+@pytest.mark.slow
+def test_rm_asks_on_a_terminal_and_yes_skips_the_question(finished_job):
+    memd, _ = finished_job
+    controller, terminal = os.openpty()
+    try:
+        asked = subprocess.Popen([sys.executable, "-m", "dashrun", "rm", "cli", *memd_args(memd)], stdin=terminal,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.write(controller, b"n\n")
+        out, err = asked.communicate(timeout=120)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert asked.returncode == 1 and "delete every checkpoint of cli?" in out, (out, err)
+    assert [j["job"] for j in json.loads(dashrun("status", *memd_args(memd), "--json").stdout)["jobs"]] == ["cli"]
+    controller, terminal = os.openpty()
+    try:
+        yes = subprocess.run([sys.executable, "-m", "dashrun", "rm", "cli", "--yes", *memd_args(memd)],
+                             stdin=terminal, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert yes.returncode == 0 and "?" not in yes.stdout and "removed cli (2 checkpoints)" in yes.stdout, yes
+    assert json.loads(dashrun("status", *memd_args(memd), "--json").stdout)["jobs"] == []
 
 
 @pytest.mark.slow

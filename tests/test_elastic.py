@@ -27,6 +27,8 @@ import psutil
 import pytest
 from conftest import dashrun_cmd, kill_tree, load_fake_metadata, wait_for
 
+from dashrun.launch.jobstate import JobState, job_state
+
 pytestmark = pytest.mark.slow
 
 ELASTIC_TRAIN = Path(__file__).parent / "bin" / "elastic_train.py"
@@ -203,6 +205,9 @@ def test_a_notice_on_one_node_of_three_shrinks_the_world_and_loses_no_step(memd,
     wait_for(lambda: newest_step(out) >= 6 or any(n.proc.poll() is not None for n in nodes), 180,
              "the three nodes to train")
     assert all(n.proc.poll() is None for n in nodes), nodes[0].log()[-3000:]
+    with memd.client() as client:  # what dashrun status shows of it now
+        events, live = client.membership_view(job)
+        assert live == 3 and job_state(events, live) is JobState.RUNNING
     fake.notice()
     assert nodes[2].wait() == PREEMPTED, nodes[2].log()[-3000:]
     assert nodes[0].wait() == 0, nodes[0].log()[-3000:]
@@ -213,7 +218,8 @@ def test_a_notice_on_one_node_of_three_shrinks_the_world_and_loses_no_step(memd,
     assert_each_sample_once(out)
     with memd.client() as client:
         history = client.membership(job)
-    assert [(e.node, e.change) for e in history if e.change != "joined"] == [("127.0.0.3", "left")]
+    assert [(e.node, e.change) for e in history if e.change in ("left", "died")] == [("127.0.0.3", "left")]
+    assert sorted(e.node for e in history if e.change == "finished") == ["127.0.0.1", "127.0.0.2"]
     membership = json.loads((out / "membership.json").read_text())  # ckpt.membership, as rank 0 ended with it
     assert membership["nodes"] == ["127.0.0.1", "127.0.0.2"] and membership["generation"] > 0
     assert ("127.0.0.3", "left") in [(e["node"], e["change"]) for e in membership["history"]]
@@ -231,6 +237,8 @@ def test_a_notice_on_every_node_ends_the_job_with_75_and_loses_no_step(memd, nod
     last = newest_step(out)
     with memd.client() as client:
         assert client.latest(job).step == last  # the emergency checkpoint holds the last step done
+        # what dashrun status shows: both nodes left on their notices, none heartbeats, none came back
+        assert job_state(client.membership(job), client.live_members(job)) is JobState.PREEMPTED
     assert_no_step_twice(out, last + 1)
     assert worlds(out) == [2]
 
@@ -277,7 +285,7 @@ def test_the_first_node_killed_outright_the_others_go_on(memd, nodes, tmp_path):
     assert_each_sample_once(out)
     with memd.client() as client:
         history = client.membership(job)
-    assert [(e.node, e.change) for e in history if e.change != "joined"] == [("127.0.0.1", "died")]
+    assert [(e.node, e.change) for e in history if e.change in ("left", "died")] == [("127.0.0.1", "died")]
 
 
 def test_a_node_that_joins_is_admitted_at_a_checkpoint(memd, nodes, tmp_path):
@@ -417,7 +425,7 @@ def test_a_fleet_in_namespaces_shrinks_grows_and_loses_its_first_node(fleet_fact
     assert_each_sample_once(out)
     with memd.client() as client:
         history = client.membership(job)
-    assert [(e.node, e.change) for e in history if e.change != "joined"] == [(fleet[2].address, "left"),
+    assert [(e.node, e.change) for e in history if e.change in ("left", "died")] == [(fleet[2].address, "left"),
                                                                              (fleet[0].address, "died")]
 
 

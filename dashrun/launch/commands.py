@@ -31,6 +31,7 @@ from rich.table import Table
 from dashrun import env
 from dashrun.errors import NotFoundError, UsageError
 from dashrun.launch import dispatch
+from dashrun.launch.jobstate import JobState, job_state, restarts, steps_per_second
 from dashrun.launch.options import memd_address, require_token_file
 from dashrun.launch.private_memd import PrivateMemd, resumed_home
 from dashrun.util.tokens import read_token
@@ -45,6 +46,10 @@ from dashrun.wire.tls import TlsSettings, format_fingerprint
 __all__ = ["cli", "connect", "memd_options", "tls_settings"]
 
 console = Console()
+#: The terminal width ``status --wide`` renders as: wider than any table it prints.
+WIDE = 4096
+#: The least width (with its padding and border) each other column of ``status`` gets beside the job ids.
+NARROWEST_COLUMN = 7
 _NO_TLS, _TLS_CA, _TLS_FINGERPRINT = "dashrun.no_tls", "dashrun.tls_ca", "dashrun.tls_fingerprint"
 
 
@@ -70,9 +75,22 @@ def tls_settings() -> TlsSettings:
 
 
 def _job(job: str) -> str:
+    if job == "":  # said, and empty: a usage error, as the launcher's --job-id ""
+        raise UsageError("the job id is empty", hint="name the job (dashrun status lists them)")
     if not valid_job_id(job):
         raise UsageError(f"{job!r} is not a valid job id")
     return job
+
+
+def _job_param(_ctx, param, value: str | None) -> str | None:
+    """A JOB argument or ``--job-id``, checked as click parses it: an empty or malformed id is a usage error (exit
+    2) before anything is read or reached."""
+    if value is None:
+        return None
+    try:
+        return _job(value)
+    except UsageError as e:
+        raise click.BadParameter(f"{e.message}; {e.hint}" if e.hint else e.message, param=param) from None
 
 
 def _version_option(command):
@@ -148,20 +166,26 @@ def _membership_line(event: MembershipEvent, world_before: int | None) -> str:
     return "  " + "  ".join(parts)
 
 
-def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool) -> None:
+def _with_state(entry: dict, events: list[MembershipEvent], live: int | None) -> dict:
+    """``entry`` (a job's summary in LIST) with its ``state``, ``restarts`` and ``steps_per_second``, from its
+    membership history and its live members in dash-memd (:mod:`dashrun.launch.jobstate`)."""
+    return {**entry, "state": job_state(events, live).value, "restarts": restarts(events),
+            "steps_per_second": steps_per_second(entry.get("checkpoints", []))}
+
+
+def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool, wide: bool) -> None:
     """``dashrun status JOB``: the job's line of the table, then its membership history."""
     entry = next((j for j in listing.get("jobs", []) if j["job"] == job), None)
-    events = client.membership(job)
+    events, live = client.membership_view(job)
     generation = client.generation(job)
     if entry is None and not events and not generation:
         raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
+    entry = _with_state(entry or {"job": job, "checkpoints": []}, events, live)
     if as_json:
-        _print_json({**(entry or {"job": job}), "generation": generation,
-                     "membership": [event.to_body() for event in events]})
+        _print_json({**entry, "generation": generation, "membership": [event.to_body() for event in events]})
         return
-    if entry is not None:
-        _print_jobs([entry])
-    else:
+    _print_jobs([entry], wide)
+    if not entry.get("newest"):
         click.echo(f"{job}: no checkpoints")
     if not events:
         click.echo(f"{job}: no membership changes recorded")
@@ -174,19 +198,24 @@ def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool) -> N
 
 
 @cli.command()
-@click.argument("job", required=False)
+@click.argument("job", required=False, callback=_job_param)
 @memd_options
 @click.option("--json", is_flag=True, show_envvar=True, help="Print JSON.")
-def status(job, memd, token_file, json) -> None:  # noqa: A002 (the name makes the twin DASH_<COMMAND>_JSON)
-    """Jobs held by dash-memd: newest committed step, where it is, how big, how old.
+@click.option("--wide", is_flag=True, show_envvar=True, help="Show every column in full, however wide the table.")
+def status(job, memd, token_file, json, wide) -> None:  # noqa: A002 (the name makes the twin DASH_<COMMAND>_JSON)
+    """Jobs held by dash-memd: state, newest committed step, where it is, how big, how old, restarts, speed.
 
-    With JOB: that job, and its membership history (nodes that joined, left or died, and the world size).
+    A job's state is running, finished, failed, preempted or idle (see dashrun.launch.jobstate). With JOB: that
+    job, and its membership history (nodes that joined, left or died, the world size, and how launches ended).
     """
     with connect(memd, token_file) as client:
         listing = client.list(_job(job) if job is not None else None)
         if job is not None:
-            _job_status(client, listing, job, json)
+            _job_status(client, listing, job, json, wide)
             return
+        # one MEMBERSHIP request per job listed: the state is the client's reading of the facts dash-memd keeps
+        listing["jobs"] = [_with_state(entry, *client.membership_view(entry["job"]))
+                           for entry in listing.get("jobs", [])]
     if json:
         _print_json(listing)
         return
@@ -202,7 +231,7 @@ def status(job, memd, token_file, json) -> None:  # noqa: A002 (the name makes t
     if listing.get("tag_failures"):  # records altered on the path (or a bug): the operator should look
         console.print(f"[red]{listing['tag_failures']} records failed authentication since dash-memd started[/] "
                       "(altered on the way to it: see its log)", highlight=False)
-    _print_jobs(listing.get("jobs", []))
+    _print_jobs(listing.get("jobs", []), wide)
     if listing.get("jobs_left"):
         console.print(f"... and {listing['jobs_left']} more jobs, not shown (dashrun status JOB shows one)",
                       highlight=False)
@@ -214,14 +243,29 @@ def _nodes(job: dict) -> str:
     return names + (f" (+{job['nodes_more']} more)" if job.get("nodes_more") else "")
 
 
-def _print_jobs(jobs: list[dict]) -> None:
-    table = Table("job", "step", "in", "size", "saved", "ranks", "nodes", "last notice")
+def _speed(job: dict) -> str:
+    speed = job.get("steps_per_second")
+    return "-" if speed is None else f"{speed:.2f}" if speed < 10 else f"{speed:.0f}"
+
+
+def _print_jobs(jobs: list[dict], wide: bool = False) -> None:
+    """The jobs' table. The job id is never shortened (its column neither wraps nor shrinks): the other columns
+    wrap where the terminal is narrow; ``wide`` shows every column unshortened, however wide the table gets."""
+    table = Table()
+    longest = max((len(job["job"]) for job in jobs), default=3)
+    table.add_column("job", no_wrap=True, min_width=longest, overflow="fold")
+    table.add_column("state", no_wrap=True, min_width=max(len(state.value) for state in JobState))
+    for name in ("step", "restarts", "steps/s", "in", "size", "saved", "ranks", "nodes", "last notice"):
+        table.add_column(name, no_wrap=wide, overflow="fold")
     for job in jobs:
         newest = job.get("newest")
         notice = job.get("notice")
         table.add_row(
             job["job"],
+            job.get("state", "-"),
             str(newest["step"]) if newest else "-",
+            str(job.get("restarts", "-")),
+            _speed(job),
             ", ".join(newest["tiers"]) if newest else "-",
             format_size(newest["nbytes"]) if newest else "-",
             _age(newest["committed_at"]) if newest else "-",
@@ -229,7 +273,12 @@ def _print_jobs(jobs: list[dict]) -> None:
             _nodes(job),
             f"{notice['kind']} {_age(notice['at'])}" if notice else "-",
         )
-    console.print(table)
+    # Wide: as wide as the table needs (a table that does not expand takes only that), however narrow the
+    # terminal. Else the terminal's width, or more where the job ids and a few characters of each other column
+    # would not fit in it: a job id is never cut.
+    narrowest = longest + 4 + len("preempted") + 3 + (len(table.columns) - 2) * NARROWEST_COLUMN
+    width = WIDE if wide else max(console.width, narrowest)
+    (console if width == console.width else Console(width=width, highlight=False)).print(table)
     for job in jobs:
         for tier in ("disk", "object"):
             if job.get(f"{tier}_error"):
@@ -249,13 +298,29 @@ def _print_jobs(jobs: list[dict]) -> None:
 
 
 @cli.command(name="ls")
-@click.argument("job")
+@click.argument("job", required=False, callback=_job_param)
 @memd_options
 @click.option("--json", is_flag=True, show_envvar=True, help="Print JSON.")
 def ls(job, memd, token_file, json) -> None:  # noqa: A002
-    """The committed checkpoints of JOB."""
+    """The committed checkpoints of JOB; without JOB, the jobs, each with its checkpoints and newest step."""
     with connect(memd, token_file) as client:
-        listing = client.list(_job(job))
+        listing = client.list(_job(job) if job is not None else None)
+    if job is None:
+        jobs = [{"job": j["job"], "checkpoints": len(j.get("checkpoints", [])) + j.get("checkpoints_more", 0),
+                 "newest_step": j["newest"]["step"] if j.get("newest") else None} for j in listing.get("jobs", [])]
+        if json:
+            _print_json({"jobs": jobs, "jobs_left": listing.get("jobs_left", 0)})
+            return
+        table = Table()
+        table.add_column("job", no_wrap=True)
+        table.add_column("checkpoints")
+        table.add_column("newest step")
+        for j in jobs:
+            table.add_row(j["job"], str(j["checkpoints"]), "-" if j["newest_step"] is None else str(j["newest_step"]))
+        console.print(table)
+        if listing.get("jobs_left"):
+            console.print(f"... and {listing['jobs_left']} more jobs, not shown", highlight=False)
+        return
     entry = next((j for j in listing.get("jobs", []) if j["job"] == job), None)
     if entry is None:
         raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
@@ -270,7 +335,7 @@ def ls(job, memd, token_file, json) -> None:  # noqa: A002
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", callback=_job_param)
 @click.argument("out", type=click.Path())
 @click.option("--step", type=int, default=None, show_envvar=True, help="Which committed step (default: the newest).")
 @click.option("--format", type=click.Choice(["torch", "dcp"]), default="torch", show_default=True,
@@ -292,7 +357,7 @@ def export(job, out, step, format, memd, token_file) -> None:  # noqa: A002 (twi
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", callback=_job_param)
 @click.option("--keep", type=click.IntRange(min=1), required=True, show_envvar=True,
               help="Keep the newest N checkpoints.")
 @memd_options
@@ -305,7 +370,7 @@ def gc(job, keep, memd, token_file) -> None:
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", callback=_job_param)
 @click.option("--yes", is_flag=True, show_envvar=True, help="Do not ask first (on a terminal, rm asks).")
 @click.option("--force-live", is_flag=True, show_envvar=True,
               help="Delete JOB even while nodes of it are alive (they heartbeat in its rendezvous): they lose every "
@@ -313,11 +378,23 @@ def gc(job, keep, memd, token_file) -> None:
 @memd_options
 def rm(job, yes, force_live, memd, token_file) -> None:
     """Delete JOB: every checkpoint, its launch spec and its rendezvous. Refused while nodes of it are alive."""
-    if not yes and sys.stdin.isatty() and not click.confirm(f"delete every checkpoint of {_job(job)}?"):
-        raise SystemExit(1)
     with connect(memd, token_file) as client:
-        deleted = client.delete(_job(job), 0, force_live=force_live)
+        if not _known(client, _job(job)):
+            raise NotFoundError(f"dash-memd knows no job {job!r}: nothing to remove",
+                                hint="see the jobs with: dashrun ls")
+        if not yes and sys.stdin.isatty() and not click.confirm(f"delete every checkpoint of {job}?"):
+            raise SystemExit(1)
+        deleted = client.delete(job, 0, force_live=force_live)
     console.print(f"removed {job} ({len(deleted)} checkpoints)")
+
+
+def _known(client: MemdClient, job: str) -> bool:
+    """Whether dash-memd holds anything of ``job``: a checkpoint, a launch spec, a membership record, a
+    rendezvous."""
+    if any(j["job"] == job for j in client.list(job).get("jobs", [])):
+        return True
+    events, live = client.membership_view(job)
+    return bool(events) or live is not None or bool(client.generation(job)) or client.get_spec(job) is not None
 
 
 def _shell_word(arg: str) -> str:
@@ -344,8 +421,8 @@ def _print_plan(job_id: str, spec, overrides: dict) -> None:
 
 
 @cli.command()
-@click.argument("job", required=False)
-@click.option("--job-id", envvar=env.JOB_ID.name, show_envvar=True, default=None,
+@click.argument("job", required=False, callback=_job_param)
+@click.option("--job-id", envvar=env.JOB_ID.name, show_envvar=True, default=None, callback=_job_param,
               help="The job to resume (or give it as JOB).")
 @click.option("--dry-run", is_flag=True, show_envvar=True,
               help="Check the stored spec and print what would run; run nothing.")

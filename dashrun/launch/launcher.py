@@ -43,7 +43,7 @@ import psutil
 
 from dashrun import env
 from dashrun.env import PreemptionRecord
-from dashrun.errors import AuthError, ExitCode, RestoreMismatchError, UnavailableError, UsageError
+from dashrun.errors import AuthError, DashError, ExitCode, RestoreMismatchError, UnavailableError, UsageError
 from dashrun.launch.diskwatch import DiskWatch
 from dashrun.launch.options import LaunchOptions, apply_torchrun_defaults, options_from_args
 from dashrun.launch.placement import Placement, plan
@@ -55,7 +55,7 @@ from dashrun.util.retry import Backoff, countdown, retry
 from dashrun.util.tokens import read_token
 from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.memd_client import MemdClient
-from dashrun.wire.messages import CheckpointInfo, JobSpec
+from dashrun.wire.messages import CheckpointInfo, JobSpec, MembershipEvent
 from dashrun.wire.operator import load_private_key
 from dashrun.wire.tls import format_fingerprint
 
@@ -278,12 +278,6 @@ def fetch_ahead(nproc_per_node: int) -> bool:
 
 def run(config: NodeConfig) -> int:
     """Run the ranks of this node under torch's elastic launcher; returns the exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
-    from dashrun.launch import elastic
-
     options, placement = config.options, config.placement
     _name_rendezvous_callers_cheaply()
     launch_config = copy.copy(config.launch_config)
@@ -316,30 +310,69 @@ def run(config: NodeConfig) -> int:
             _pass_memd_to_ranks(options)
             stack.enter_context(DiskWatch(options))
             watcher = stack.enter_context(PreemptionWatcher(agent.socket_path.parent / PreemptionRecord.FILE, stop))
-            try:
-                if stop.signal is None:
-                    stop.launching = True
-                    # torch's agent starts (and restarts) the ranks from this thread: they inherit its CPUs.
-                    with thread_affinity(placement.ranks):
-                        if config.elastic:
-                            elastic.launch(launch_config, entrypoint, entrypoint_args, options, str(agent.socket_path),
-                                           preempted=lambda: watcher.record() is not None or stop.signal is not None)
-                        else:
-                            elastic_launch(launch_config, entrypoint)(*entrypoint_args)
-            except ChildFailedError as e:
-                if watcher.record() is None and stop.signal is None:
-                    return _report_child_failure(e)
-            except SignalException as e:
-                if watcher.record() is None and stop.signal is None:
-                    print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
-                    return int(ExitCode.FAILED)
-            finally:
-                stop.launching = False
-            if watcher.record() is not None or stop.signal is not None:
+            if not config.elastic:  # an elastic job's agent records its nodes' joins (dashrun.launch.elastic)
+                _record_launch(options, launch_config, "joined", "started", launch_config.min_nodes)
+            code = _launch_ranks(config, launch_config, entrypoint, entrypoint_args, options, agent, watcher, stop)
+            if code is None:  # preempted
+                if not config.elastic:  # an elastic node that leaves records it itself
+                    _record_launch(options, launch_config, "left", "interruption notice", 0)
                 return report_preempted(options, watcher)
-        return int(ExitCode.OK)
+            _record_launch(options, launch_config, "finished" if code == ExitCode.OK else "failed",
+                           "ranks exited 0" if code == ExitCode.OK else f"exit code {code}", launch_config.min_nodes)
+            return code
     finally:
         stop.restore()
+
+
+def _launch_ranks(config: NodeConfig, launch_config, entrypoint, entrypoint_args, options: LaunchOptions,
+                  agent: AgentProcess, watcher: PreemptionWatcher, stop: StopSignals) -> int | None:
+    """The ranks, run under torch's launcher (or dashrun's elastic agent) until they end; returns the exit code,
+    or None when a notice or a stop signal ended them (preempted)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from dashrun.launch import elastic
+
+    placement = config.placement
+    try:
+        if stop.signal is None:
+            stop.launching = True
+            # torch's agent starts (and restarts) the ranks from this thread: they inherit its CPUs.
+            with thread_affinity(placement.ranks):
+                if config.elastic:
+                    elastic.launch(launch_config, entrypoint, entrypoint_args, options, str(agent.socket_path),
+                                   preempted=lambda: watcher.record() is not None or stop.signal is not None)
+                else:
+                    elastic_launch(launch_config, entrypoint)(*entrypoint_args)
+    except ChildFailedError as e:
+        if watcher.record() is None and stop.signal is None:
+            return _report_child_failure(e)
+    except SignalException as e:
+        if watcher.record() is None and stop.signal is None:
+            print(f"dashrun: stopped by signal {e.sigval.name}", file=sys.stderr)
+            return int(ExitCode.FAILED)
+    finally:
+        stop.launching = False
+    if watcher.record() is not None or stop.signal is not None:
+        return None
+    return int(ExitCode.OK)
+
+
+def _record_launch(options: LaunchOptions, launch_config, change: str, why: str, world: int) -> None:
+    """Add this launch's start or end to the job's membership history in dash-memd (what ``dashrun status``
+    reads its state from); a dash-memd that cannot be reached now costs the record alone, with a warning. The
+    node is named as torch's rendezvous names it (--local-addr, else the host's name), as the elastic agent's
+    events name it."""
+    node = (launch_config.local_addr or socket.getfqdn())[:255] or "node"
+    try:
+        with MemdClient(*options.memd, read_token(options.token_file, warn=False), timeout=10,
+                        tls=options.tls) as client:
+            newest = client.latest(options.job_id)
+            client.record_membership(options.job_id, MembershipEvent(
+                time.time(), node, change, why, world, 0, newest.step if newest is not None else None, None))
+    except DashError as e:
+        log.warning("could not record in dash-memd that job %s %s: %s", options.job_id, change, e)
 
 
 def _ranks(spare) -> set[int]:

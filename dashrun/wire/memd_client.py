@@ -303,10 +303,20 @@ class MemdClient:
 
     def membership(self, job: str) -> list[MembershipEvent]:
         """The job's membership history, oldest first (the newest 1000; fewer if their text is very long)."""
-        raw = self._request(lambda ch: ch.call(Kind.MEMBERSHIP, {"job": job}).body.get("events"))
-        if not isinstance(raw, list):
+        return self.membership_view(job)[0]
+
+    def live_members(self, job: str) -> int | None:
+        """How many nodes of the job heartbeat in its rendezvous now; None where it has none (not elastic)."""
+        return self.membership_view(job)[1]
+
+    def membership_view(self, job: str) -> tuple[list[MembershipEvent], int | None]:
+        """:meth:`membership` and :meth:`live_members` in one request."""
+        body = self._request(lambda ch: ch.call(Kind.MEMBERSHIP, {"job": job}).body)
+        raw, live = body.get("events"), body.get("live")
+        if not isinstance(raw, list) or (live is not None and (not isinstance(live, int) or isinstance(live, bool)
+                                                               or live < 0)):
             raise ProtocolError("malformed MEMBERSHIP reply")
-        return [MembershipEvent.from_body(event) for event in raw]
+        return [MembershipEvent.from_body(event) for event in raw], live
 
     # --- the job's key/value store ---------------------------------------------------------------
 

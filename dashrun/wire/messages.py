@@ -337,8 +337,9 @@ class Notice:
             raise ProtocolError(f"malformed notice: {e}") from None
 
 
-#: What a membership event says happened to its node.
-MEMBERSHIP_CHANGES = ("joined", "left", "died")
+#: What a membership event says happened to its node; ``finished`` and ``failed``: the job's launch on that node
+#: ended (its ranks exited 0 / non-zero), as the launcher records it at its end.
+MEMBERSHIP_CHANGES = ("joined", "left", "died", "finished", "failed")
 MAX_WHY = 500
 
 
@@ -347,7 +348,8 @@ class MembershipEvent:
     """One change of an elastic job's nodes, as dash-memd records it and ``dashrun status JOB`` lists it.
 
     ``change``: ``joined``, ``left`` (after a notice: it checkpointed and
-    exited) or ``died`` (gone without notice). ``world``: the job's size in
+    exited), ``died`` (gone without notice), ``finished`` or ``failed`` (the
+    launch ended, its ranks exited 0 or not). ``world``: the job's size in
     nodes after the change; ``generation``: the world generation it started.
     ``step``: the committed checkpoint the job continued from, and
     ``steps_lost`` how many steps done since it were lost (None where not

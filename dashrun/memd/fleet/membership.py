@@ -9,9 +9,11 @@ cannot commit into the new world. Generation 0 means "not fenced" (dashrun
 before elastic jobs, and jobs that are not elastic), always accepted.
 
 The history keeps the newest :data:`MAX_EVENTS` membership events of each job
-(``dashrun status JOB`` lists them). Both are kept in
+(``dashrun status JOB`` lists them, and reads the job's state from them): the
+elastic agent's joins, notices and deaths, and each launch's start and end
+(``finished``/``failed``) as the launcher records them. Both are kept in
 ``<data dir>/membership/<job>.json``, replaced atomically and fsynced at
-every change (changes are rare: one per world change), so a restarted
+every change (changes are rare: one per world change or launch), so a restarted
 dash-memd has them; ``dashrun rm`` removes them with the job's launch spec and
 notices.
 

@@ -4,7 +4,9 @@
 :mod:`.membership`, :mod:`.kvstore`) and answers their requests for the
 server (:mod:`dashrun.memd.server`), which dispatches to :meth:`FleetRequests.handlers`
 as to its own. Rendezvous states are sent as base64 in the request's body and
-come back as the reply's data; so do store values. ``dashrun rm`` of a job
+come back as the reply's data; so do store values. A MEMBERSHIP reply also
+counts the job's members that heartbeat now (``live``; None without a
+rendezvous), from which ``dashrun status`` tells a running job. ``dashrun rm`` of a job
 (DELETE of all its checkpoints) removes its records here too
 (:meth:`FleetRequests.delete_job`), as it removes the job's launch spec and
 notices; it is refused while nodes of the job are alive, by the heartbeats in
@@ -138,7 +140,13 @@ class FleetRequests:
                 break
             events.append(encoded)
         ch.send(Kind.OK, {"events": events[::-1], "omitted": len(history) - len(events),
-                          "generation": self.membership.generation(job)})
+                          "generation": self.membership.generation(job), "live": self.live_members(job)})
+
+    def live_members(self, job: str) -> int | None:
+        """How many members of ``job``'s rendezvous heartbeat now; None where it has no rendezvous of dashrun's
+        (a job that is not elastic: nothing here says whether it runs)."""
+        found = self.rendezvous.liveness(job)
+        return sum(f.live for f in found) if found else None
 
     # --- the jobs' key/value stores ---------------------------------------------------------
 

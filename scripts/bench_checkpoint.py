@@ -83,7 +83,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchlib import (CHUNK, CpuMonitor, DashDaemons, GiB, MiB, Processes, child_env,  # noqa: E402
+from benchlib import (CHUNK, CpuMonitor, DashDaemons, GiB, MiB, Processes, Trainer, build_model,  # noqa: E402
+                      child_env,
                       core_busy, describe_machine, fmt_bw, fmt_ms, machine, measure_loopback, measure_memcpy, med,
                       pin_process, pinned, placement, runqueue_wait, start_dash_daemons, timings)
 
@@ -192,51 +193,6 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
                 os.environ[k] = v
         if proc is not None:
             procs.stop(proc, timeout=10)
-
-
-# --- the model ------------------------------------------------------------------------------
-
-
-def build_model(size_bytes: int, layers: int = 4, batch: int = 32):
-    """An MLP whose fp32 params + AdamW exp_avg + exp_avg_sq hold at least ``size_bytes``."""
-    import torch
-    from torch import nn
-
-    params = math.ceil(size_bytes / 12)
-    width = max(64, math.ceil(math.sqrt(params / layers) / 32) * 32)
-    while layers * (width * width + width) < params:
-        width += 32
-    torch.manual_seed(0)
-    mods = []
-    for i in range(layers):
-        mods.append(nn.Linear(width, width))
-        if i < layers - 1:
-            mods.append(nn.ReLU())
-    model = nn.Sequential(*mods)
-    try:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        fused = True
-    except (RuntimeError, TypeError):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        fused = False
-    x = torch.randn(batch, width)
-    y = torch.randn(batch, width)
-    n_params = sum(p.numel() for p in model.parameters())
-    return model, optimizer, (x, y), {"layers": layers, "width": width, "batch": batch, "params": n_params,
-                                       "state_bytes": 12 * n_params, "adamw_fused": fused}
-
-
-class Trainer:
-    def __init__(self, model, optimizer, batch):
-        import torch.nn.functional as F
-
-        self.model, self.optimizer, (self.x, self.y) = model, optimizer, batch
-        self._loss = F.mse_loss
-
-    def step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)  # grads stay allocated: no fresh pages per step
-        self._loss(self.model(self.x), self.y).backward()
-        self.optimizer.step()
 
 
 # --- the variants ------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
-import bench_checkpoint as bench  # noqa: E402  (its model, trainer and variants)
+import bench_checkpoint as bench  # noqa: E402  (its variants and their interleaved run)
 
 from dashrun.util import daemon  # noqa: E402
 from dashrun.util.cpus import format_cpus  # noqa: E402
@@ -126,8 +126,8 @@ def rank_main(args) -> int:
     import torch
 
     scratch = Path(args.out).parent / f"torchsave-{os.getpid()}"
-    model, optimizer, batch, mdesc = bench.build_model(int(args.size_mib * MiB), batch=args.batch)
-    trainer = bench.Trainer(model, optimizer, batch)
+    model, optimizer, batch, mdesc = benchlib.build_model(int(args.size_mib * MiB), batch=args.batch)
+    trainer = benchlib.Trainer(model, optimizer, batch)
     trainer.step()  # creates the AdamW state
     variants = [bench.NoCheckpoint(), bench.TorchSave(model, optimizer, args.interval, scratch),
                 LaunchedDashrun(model, optimizer, args.interval, args.memd, args.token_file)]

@@ -71,7 +71,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
-import bench_checkpoint as bench  # noqa: E402  (its model and trainer)
 
 from dashrun.util import daemon  # noqa: E402
 
@@ -85,7 +84,7 @@ sys.path.insert(0, {scripts!r})
 import torch
 torch.set_num_threads(1)
 imported = time.time() - started
-from bench_checkpoint import build_model
+from benchlib import build_model
 model, optimizer, _batch, _ = build_model({size})
 built = time.time() - started
 if sys.argv[1] == "torch.load":
@@ -210,8 +209,8 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processe
     import dashrun.dcp as ddcp
 
     train_core, side_core = cores
-    model, optimizer, batch, described = bench.build_model(size)
-    bench.Trainer(model, optimizer, batch).step()  # the optimizer has its state, as at a checkpoint
+    model, optimizer, batch, described = benchlib.build_model(size)
+    benchlib.Trainer(model, optimizer, batch).step()  # the optimizer has its state, as at a checkpoint
     step = 41
 
     stacks = [Stack(workdir / "tls", procs, side_core, plaintext=False, memory=size * 3)]
@@ -289,7 +288,7 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processe
 
     # The first training step after a restore, timed apart (--first-step): a restore that maps state
     # copy-on-write (mmap=True, this node's image) leaves the copying of the optimizer's pages to it.
-    step_after = bench.Trainer(model, optimizer, batch).step if first_step else None
+    step_after = benchlib.Trainer(model, optimizer, batch).step if first_step else None
 
     way = functools.partial(timed, after=step_after)
 

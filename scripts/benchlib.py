@@ -8,6 +8,7 @@ its own measurement. Imported by the scripts beside it (scripts/ is ``sys.path[0
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import socket
@@ -27,9 +28,9 @@ from dashrun.testing.daemons import DashDaemons, start_dash_daemons  # noqa: E40
 from dashrun.testing.pinning import pin_process, pinned, placement  # noqa: E402
 from dashrun.testing.processes import Processes  # noqa: E402
 
-__all__ = ["CHUNK", "GiB", "MiB", "REPO", "CpuMonitor", "DashDaemons", "Processes", "child_env", "core_busy",
-           "describe_machine", "fmt_bw", "fmt_ms", "machine", "measure_loopback", "measure_memcpy", "med",
-           "pin_process", "pinned", "placement", "runqueue_wait", "start_dash_daemons", "timings"]
+__all__ = ["CHUNK", "GiB", "MiB", "REPO", "CpuMonitor", "DashDaemons", "Processes", "Trainer", "build_model",
+           "child_env", "core_busy", "describe_machine", "fmt_bw", "fmt_ms", "machine", "measure_loopback",
+           "measure_memcpy", "med", "pin_process", "pinned", "placement", "runqueue_wait", "start_dash_daemons", "timings"]
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -243,3 +244,50 @@ def fmt_ms(seconds: float | None) -> str:
 
 def fmt_bw(nbytes: float, seconds: float | None) -> str:
     return "–" if not seconds else f"{nbytes / seconds / GiB:.2f} GiB/s"
+
+
+# --- the model (an MLP and its AdamW) every CPU benchmark checkpoints -----------------------------
+
+
+def build_model(size_bytes: int, layers: int = 4, batch: int = 32):
+    """An MLP whose fp32 params + AdamW exp_avg + exp_avg_sq hold at least ``size_bytes``."""
+    import torch
+    from torch import nn
+
+    params = math.ceil(size_bytes / 12)
+    width = max(64, math.ceil(math.sqrt(params / layers) / 32) * 32)
+    while layers * (width * width + width) < params:
+        width += 32
+    torch.manual_seed(0)
+    mods = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    model = nn.Sequential(*mods)
+    try:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        fused = True
+    except (RuntimeError, TypeError):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        fused = False
+    x = torch.randn(batch, width)
+    y = torch.randn(batch, width)
+    n_params = sum(p.numel() for p in model.parameters())
+    return model, optimizer, (x, y), {"layers": layers, "width": width, "batch": batch, "params": n_params,
+                                       "state_bytes": 12 * n_params, "adamw_fused": fused}
+
+
+class Trainer:
+    """One training step of the model, its gradients kept allocated between steps."""
+
+    def __init__(self, model, optimizer, batch):
+        import torch.nn.functional as F
+
+        self.model, self.optimizer, (self.x, self.y) = model, optimizer, batch
+        self._loss = F.mse_loss
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)  # grads stay allocated: no fresh pages per step
+        self._loss(self.model(self.x), self.y).backward()
+        self.optimizer.step()

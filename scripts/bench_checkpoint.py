@@ -70,16 +70,12 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -87,11 +83,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from dashrun.util import daemon  # noqa: E402
+from benchlib import (CHUNK, CpuMonitor, DashDaemons, GiB, MiB, Processes, Trainer, build_model,  # noqa: E402
+                      child_env,
+                      core_busy, describe_machine, fmt_bw, fmt_ms, machine, measure_loopback, measure_memcpy, med,
+                      pin_process, pinned, placement, runqueue_wait, start_dash_daemons, timings)
 
-GiB = float(1 << 30)
-MiB = float(1 << 20)
-CHUNK = 8 << 20
 #: Steps are numbered from here, so a step number keeps its number of digits during a run.
 FIRST_STEP = 1000
 TARGET_STALL_MS_PER_GIB = 10.0
@@ -104,201 +100,7 @@ LABELS = {"torch.save": "torch.save + fsync", "dcp": "DCP async_save", "dashrun"
           PLAIN_KEY: "dashrun --no-tls"}
 
 
-# --- placement ------------------------------------------------------------------------
-
-
-def pin_process(cores: set[int]) -> None:
-    """Pin every thread of this process (those to come inherit it)."""
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(tid), cores)
-    os.sched_setaffinity(0, cores)
-
-
-def placement() -> tuple[int, int, bool]:
-    """(core of the training process, core of dash-memd/dash-agent/receivers, separate?)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 2:
-        return cores[0], cores[1], True
-    return cores[0], cores[0], False
-
-
-_PINNED_EXEC = textwrap.dedent("""
-    import ctypes, os, signal, sys
-    try:  # stopped with this benchmark even if it is killed outright (PR_SET_PDEATHSIG survives exec)
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != int(sys.argv[1]):
-        sys.exit(1)  # the benchmark is already gone
-    os.sched_setaffinity(0, {int(sys.argv[2])})
-    os.execvp(sys.argv[3], sys.argv[3:])
-""")
-
-
-def pinned(cmd: list[str], core: int) -> list[str]:
-    """``cmd`` pinned to ``core`` (like ``taskset -c``), and terminated if this benchmark dies."""
-    return [sys.executable, "-c", _PINNED_EXEC, str(os.getpid()), str(core), *cmd]
-
-
-def machine() -> dict:
-    fields: dict[str, str] = {}
-    flags = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "flags":
-                flags = value
-            elif key not in fields:  # the first processor describes them all
-                fields[key] = value.strip()
-    ram = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                ram = int(line.split()[1]) * 1024
-    return {"cpu": fields.get("model name", "unknown CPU"), "cpu_family": fields.get("cpu family"),
-            "cpu_model": fields.get("model"), "cores": os.cpu_count(), "ram_bytes": ram, "accelerator": "CPU only",
-            "virtualised": " hypervisor" in flags, "kernel": platform.release(), "python": platform.python_version()}
-
-
-def describe_machine(m: dict) -> str:
-    fam = f" (family {m['cpu_family']}, model {m['cpu_model']})" if m["cpu_family"] else ""
-    return (f"{m['cpu']}{fam}, {m['cores']} cores, {m['ram_bytes'] / GiB:.1f} GiB RAM, "
-            f"{m['accelerator']}{', VM' if m['virtualised'] else ''}")
-
-
-# --- subprocesses -----------------------------------------------------------------------
-
-
-class Processes:
-    """Every process this benchmark starts, stopped at the end whatever happens."""
-
-    def __init__(self):
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, cmd: list[str], log: Path | None = None, **kwargs) -> subprocess.Popen:
-        with open(log, "ab") if log else contextlib.nullcontext(subprocess.DEVNULL) as out:
-            proc = subprocess.Popen(cmd, stdout=kwargs.pop("stdout", out), stderr=subprocess.STDOUT if log else None,
-                                    **kwargs)
-        self.procs.append((name, proc))
-        return proc
-
-    def start_daemon(self, name: str, cmd: list[str], *, ready, log: Path, **kwargs) -> subprocess.Popen:
-        """A process that must be serving before the benchmark goes on: started and waited for by dashrun's helper."""
-        proc = daemon.start(cmd, ready=ready, what=name, log=log, timeout=60, **kwargs)
-        self.procs.append((name, proc))
-        return proc
-
-    def stop(self, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-        daemon.stop(proc, timeout=timeout)
-
-    def stop_all(self) -> None:
-        for _name, proc in reversed(self.procs):
-            with contextlib.suppress(Exception):
-                self.stop(proc)
-        self.procs.clear()
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 # --- physical limits ----------------------------------------------------------------------
-
-
-def timings(nbytes: int, times: list[float]) -> dict:
-    """Repeated timings of moving ``nbytes``. The limit is the best of them (what the machine can do); the
-    median, shown beside it, says how steady the machine was."""
-    return {"bytes": nbytes, "times_s": times, "time_s": min(times), "bandwidth": nbytes / min(times),
-            "median_bandwidth": nbytes / statistics.median(times)}
-
-
-def measure_memcpy(nbytes: int, rounds: int = 5) -> dict:
-    """The machine's fastest copy of ``nbytes``: torch's copy_ and libc's memcpy (which, for a copy this
-    large, bypasses the cache as dashrun's staging does), alternated; the limit is the faster engine."""
-    import ctypes
-
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(1)
-    dst.fill_(2)  # both touched before timing
-    engines = {"torch copy_": lambda: dst.copy_(src),
-               "libc memcpy": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)}
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds + 1):
-        for name, copy in engines.items():
-            started = time.perf_counter()
-            copy()
-            times[name].append(time.perf_counter() - started)
-    per_engine = {name: timings(nbytes, t[1:]) for name, t in times.items()}  # the first round warms up
-    best = min(per_engine, key=lambda name: per_engine[name]["time_s"])
-    return {**per_engine[best], "engine": best, "engines": per_engine}
-
-
-_RECEIVER = textwrap.dedent("""
-    import socket, sys
-    n, rounds, chunk = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    print(srv.getsockname()[1], flush=True)
-    conn, _ = srv.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = bytearray(n)
-    view = memoryview(buf)
-    for i in range(0, n, 4096):
-        buf[i] = 1  # pre-touched
-    conn.sendall(b"r")
-    for _ in range(rounds):
-        got = 0
-        while got < n:
-            k = conn.recv_into(view[got:], min(n - got, chunk))
-            if not k:
-                sys.exit(1)
-            got += k
-        conn.sendall(b"k")
-""")
-
-
-def measure_loopback(nbytes: int, core: int, procs: Processes, rounds: int = 4) -> dict:
-    """Loopback TCP in 8 MiB and in 1 MiB (dash-agent's) pieces; the faster is the limit."""
-    runs = [_loopback(nbytes, core, procs, rounds, chunk) for chunk in (8 << 20, 1 << 20)]
-    return max(runs, key=lambda r: r["bandwidth"])
-
-
-def _loopback(nbytes: int, core: int, procs: Processes, rounds: int, chunk: int) -> dict:
-    import torch
-
-    proc = procs.start("tcp-receiver", pinned([sys.executable, "-c", _RECEIVER, str(nbytes), str(rounds + 1),
-                                               str(chunk)], core), stdout=subprocess.PIPE)
-    try:
-        port = int(proc.stdout.readline())
-        src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
-        view = memoryview(src.numpy()).cast("B")
-        times = []
-        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if sock.recv(1) != b"r":
-                raise RuntimeError("TCP receiver did not start")
-            for _ in range(rounds + 1):
-                started = time.perf_counter()
-                for start in range(0, nbytes, chunk):
-                    sock.sendall(view[start:start + chunk])
-                if sock.recv(1) != b"k":
-                    raise RuntimeError("TCP receiver failed")
-                times.append(time.perf_counter() - started)
-        view.release()
-        del src
-    finally:
-        procs.stop(proc, timeout=5)
-        if proc.stdout:
-            proc.stdout.close()
-    return {**timings(nbytes, times[1:]), "chunk": chunk}  # the first round warms up
 
 
 def measure_disk(nbytes: int, directory: Path, rounds: int = 3) -> dict:
@@ -391,51 +193,6 @@ def measure_object_store(nbytes: int, core: int, procs: Processes, scratch: Path
                 os.environ[k] = v
         if proc is not None:
             procs.stop(proc, timeout=10)
-
-
-# --- the model ------------------------------------------------------------------------------
-
-
-def build_model(size_bytes: int, layers: int = 4, batch: int = 32):
-    """An MLP whose fp32 params + AdamW exp_avg + exp_avg_sq hold at least ``size_bytes``."""
-    import torch
-    from torch import nn
-
-    params = math.ceil(size_bytes / 12)
-    width = max(64, math.ceil(math.sqrt(params / layers) / 32) * 32)
-    while layers * (width * width + width) < params:
-        width += 32
-    torch.manual_seed(0)
-    mods = []
-    for i in range(layers):
-        mods.append(nn.Linear(width, width))
-        if i < layers - 1:
-            mods.append(nn.ReLU())
-    model = nn.Sequential(*mods)
-    try:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        fused = True
-    except (RuntimeError, TypeError):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        fused = False
-    x = torch.randn(batch, width)
-    y = torch.randn(batch, width)
-    n_params = sum(p.numel() for p in model.parameters())
-    return model, optimizer, (x, y), {"layers": layers, "width": width, "batch": batch, "params": n_params,
-                                       "state_bytes": 12 * n_params, "adamw_fused": fused}
-
-
-class Trainer:
-    def __init__(self, model, optimizer, batch):
-        import torch.nn.functional as F
-
-        self.model, self.optimizer, (self.x, self.y) = model, optimizer, batch
-        self._loss = F.mse_loss
-
-    def step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)  # grads stay allocated: no fresh pages per step
-        self._loss(self.model(self.x), self.y).backward()
-        self.optimizer.step()
 
 
 # --- the variants ------------------------------------------------------------------------------
@@ -563,54 +320,6 @@ class DcpAsyncSave(Variant):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class DashDaemons:
-    """A dash-memd and a dash-agent started for a dashrun variant (plain data: it travels to rank processes)."""
-
-    host: str
-    port: int
-    token_file: str
-    socket: str
-    plaintext: bool
-    memd: subprocess.Popen | None = dataclasses.field(default=None, compare=False, repr=False)
-    agent: subprocess.Popen | None = dataclasses.field(default=None, compare=False, repr=False)
-    memd_log: Path | None = None
-    agent_log: Path | None = None
-
-    def to_json(self) -> dict:
-        return {"host": self.host, "port": self.port, "token_file": self.token_file, "socket": self.socket,
-                "plaintext": self.plaintext}
-
-
-def start_dash_daemons(directory: Path, procs: Processes, core: int, agent_core: int, *,
-                       plaintext: bool = False) -> DashDaemons:
-    """A real dash-memd pinned to ``core`` and a real dash-agent pinned to ``agent_core``, serving when it returns."""
-    from dashrun.util.tokens import write_token
-    from dashrun.wire.tls import TlsSettings
-
-    tls = TlsSettings(plaintext=plaintext)
-    directory.mkdir(parents=True, exist_ok=True)
-    token_file = directory / "token"
-    write_token(token_file)
-    ready = directory / "memd.ready"
-    memd_log = directory / "memd.log"
-    memd = procs.start_daemon("dash-memd", pinned(
-        [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
-         str(directory / "memd-data"), "--memory-limit", "4GiB", "--token-file", str(token_file),
-         "--ready-file", str(ready), *tls.args()], core), ready=daemon.file_written(ready), log=memd_log,
-        cwd=REPO,
-        env=child_env())
-    host, port = ready.read_text().strip().rsplit(":", 1)
-    sock_path = directory / "agent.sock"
-    agent_log = directory / "agent.log"
-    agent = procs.start_daemon("dash-agent", pinned(
-        [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
-         "--socket", str(sock_path), *tls.args()], agent_core), ready=daemon.accepting(sock_path),
-        log=agent_log,
-        cwd=REPO, env=child_env())
-    return DashDaemons(host, int(port), str(token_file), str(sock_path), plaintext, memd, agent, memd_log, agent_log)
-
-
 class Dashrun(Variant):
     key = "dashrun"
 
@@ -635,7 +344,8 @@ class Dashrun(Variant):
         self.nbytes = None
 
     def setup(self) -> None:
-        d = start_dash_daemons(self.dir, self.procs, self.core, self.agent_core, plaintext=self.plaintext)
+        d = start_dash_daemons(self.dir, self.procs, self.core, self.agent_core, plaintext=self.plaintext,
+                               cwd=REPO, env=child_env())
         self.memd, self.agent, self.memd_log, self.agent_log = d.memd, d.agent, d.memd_log, d.agent_log
         self.connect(d)
 
@@ -734,54 +444,6 @@ class Dashrun(Variant):
                 "stats": dataclasses.asdict(self.ckpt.stats) if self.ckpt else None}
 
 
-# --- CPU accounting ----------------------------------------------------------------------------
-
-
-class CpuMonitor:
-    """Busy CPU time of the whole machine vs. of this benchmark's processes, over the measured phase."""
-
-    def __init__(self, named: dict[str, int]):
-        self.named = named  # label -> pid
-        self.tick = os.sysconf("SC_CLK_TCK")
-
-    def _machine(self) -> dict:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        user, nice, system, _idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        return {"busy": (user + nice + system + irq + softirq) / self.tick, "steal": steal / self.tick,
-                "iowait": iowait / self.tick}
-
-    def _ours(self) -> dict:
-        import psutil
-
-        out = {}
-        me = psutil.Process()
-        procs = {"benchmark (training process)": me}
-        for label, pid in self.named.items():
-            with contextlib.suppress(psutil.Error):
-                procs[label] = psutil.Process(pid)
-        for label, p in procs.items():
-            with contextlib.suppress(psutil.Error):
-                t = p.cpu_times()
-                out[label] = t.user + t.system
-        with contextlib.suppress(psutil.Error):
-            stage = {t.native_id for t in threading.enumerate() if t.name.startswith("dashrun-stage")}
-            out["rank staging thread"] = sum(th.user_time + th.system_time for th in me.threads() if th.id in stage)
-        return out
-
-    def start(self) -> None:
-        self.t0, self.m0, self.o0 = time.perf_counter(), self._machine(), self._ours()
-
-    def stop(self) -> dict:
-        wall, m1, o1 = time.perf_counter() - self.t0, self._machine(), self._ours()
-        ours = {k: o1[k] - self.o0.get(k, 0.0) for k in o1}
-        ours_total = sum(v for k, v in ours.items() if k != "rank staging thread")
-        busy = m1["busy"] - self.m0["busy"]
-        return {"wall_s": wall, "cores": os.cpu_count(), "machine_busy_s": busy,
-                "steal_s": m1["steal"] - self.m0["steal"], "iowait_s": m1["iowait"] - self.m0["iowait"],
-                "ours_s": ours, "foreign_s": max(0.0, busy - ours_total)}
-
-
 # --- the run -----------------------------------------------------------------------------------
 
 
@@ -874,45 +536,7 @@ def sandwich(run: dict, key: str, series: str | None = None) -> list[float]:
     return out
 
 
-def core_busy(core: int) -> float:
-    """Busy seconds of one CPU since boot (user, nice, system, irq, softirq), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith(f"cpu{core} "):
-                    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in line.split()[1:8])
-                    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        pass
-    return 0.0
-
-
-def runqueue_wait() -> float:
-    """Seconds this thread has waited for a CPU while runnable (0 where the kernel does not say)."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 # --- report ------------------------------------------------------------------------------------
-
-
-def med(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def fmt_ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    ms = seconds * 1e3
-    return f"{ms:,.0f} ms" if abs(ms) >= 99.5 else f"{ms:.1f} ms"
-
-
-def fmt_bw(nbytes: float, seconds: float | None) -> str:
-    return "–" if not seconds else f"{nbytes / seconds / GiB:.2f} GiB/s"
 
 
 def summarise(key: str, variant: Variant, run: dict) -> dict:
@@ -1505,7 +1129,7 @@ def run_fsdp(args, procs: Processes, scratch: Path, log) -> int:
         f"{args.steps} measured steps ({rounds} checkpoints) per variant, interleaved")
     daemons = None
     if "dashrun" in wanted:
-        daemons = start_dash_daemons(scratch / "daemons", procs, side_core, side_core)
+        daemons = start_dash_daemons(scratch / "daemons", procs, side_core, side_core, cwd=REPO, env=child_env())
         log(f"dashrun: dash-memd pid {daemons.memd.pid}, dash-agent pid {daemons.agent.pid} (logs in "
             f"{scratch / 'daemons'})")
     out = scratch / "results"

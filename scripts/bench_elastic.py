@@ -48,7 +48,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-import bench_checkpoint as bench  # noqa: E402
+import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
 import fake_metadata  # noqa: E402
 
 from dashrun.util import daemon  # noqa: E402
@@ -103,7 +103,7 @@ def wait_until(predicate, timeout: float, what: str):
 class Round:
     """One round of one system: three nodes started, the third one killed (or noticed), the survivors timed."""
 
-    def __init__(self, system: str, workdir: Path, procs: bench.Processes, args: argparse.Namespace,
+    def __init__(self, system: str, workdir: Path, procs: benchlib.Processes, args: argparse.Namespace,
                  memd: tuple[str, Path] | None = None, fake=None):
         self.system, self.procs, self.args = system, procs, args
         self.out = workdir / "out"
@@ -112,7 +112,7 @@ class Round:
                     *(["--fsdp"] if args.fsdp else [])]
         rdzv_port = free_port()
         for index, address in enumerate(NODES):
-            env = {**bench.child_env(), "BENCH_NODE": address, "OMP_NUM_THREADS": "1"}
+            env = {**benchlib.child_env(), "BENCH_NODE": address, "OMP_NUM_THREADS": "1"}
             if system.startswith("torchrun"):
                 conf = f"{RDZV_CONF}," if system == "torchrun" else ""  # "torchrun, its defaults": torch's own
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
@@ -174,7 +174,7 @@ def kill_tree(proc) -> None:
         proc.wait(timeout=30)
 
 
-def start_memd(workdir: Path, procs: bench.Processes) -> tuple[str, Path]:
+def start_memd(workdir: Path, procs: benchlib.Processes) -> tuple[str, Path]:
     token = workdir / "token"
     write_token(token)
     ready = workdir / "memd-ready"
@@ -199,13 +199,13 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="run in this directory and keep it: every node's log")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    machine = bench.machine()
+    machine = benchlib.machine()
     results = []
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=False)
     with (contextlib.nullcontext(str(args.keep)) if args.keep
           else tempfile.TemporaryDirectory(prefix="bench-elastic-", ignore_cleanup_errors=True)) as tmp:
-        procs = bench.Processes()
+        procs = benchlib.Processes()
         try:
             memd = start_memd(Path(tmp), procs)
             for index in range(args.rounds):
@@ -238,7 +238,7 @@ def main() -> None:
 
 
 def report(results: list[dict], machine: dict) -> None:
-    print(f"\nmachine: {bench.describe_machine(machine)}")
+    print(f"\nmachine: {benchlib.describe_machine(machine)}")
     print("| change | system | seconds to the first step at world 2 (median, runs) | steps lost |")
     print("|---|---|---|---|")
     medians = {}

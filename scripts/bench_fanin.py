@@ -17,7 +17,7 @@ Figures:
   while all of them send: the commits between the moment the last node is
   past its warm-up and the moment the first node made its last commit; against
   the loopback limit measured in the same run for the bytes of one checkpoint
-  of every node (``bench_checkpoint.measure_loopback``: plaintext TCP into a
+  of every node (``benchlib.measure_loopback``: plaintext TCP into a
   reused buffer, receiver on the last core). Target: >= 0.8x.
 * commit latency per node — ``save()`` until rank 0's ``Checkpointer.wait()``
   returned committed; p50/p90/p99 per node. "No node starved": each node's
@@ -61,7 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
-from bench_checkpoint import Processes, measure_loopback  # noqa: E402
+from benchlib import Processes, measure_loopback  # noqa: E402
 from fleet import MemdProcess, NodeSpec, SimNode  # noqa: E402
 
 from dashrun.util import daemon  # noqa: E402

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import bench_checkpoint as bench  # noqa: E402
+import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
 import bench_restore  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -58,7 +58,7 @@ def sender(listen: str, token_file: str, plaintext: bool, job: str, shard: int, 
                 raise RuntimeError(f"{job} step {step} was not committed")
 
 
-def measure(mode: str, connections: list[int], total: int, shard: int, workdir: Path, procs: bench.Processes,
+def measure(mode: str, connections: list[int], total: int, shard: int, workdir: Path, procs: benchlib.Processes,
             side_core: int) -> list[dict]:
     """One dash-memd (on ``side_core``; the senders where they may run), warmed up first: a long-running
     dash-memd reuses its RAM buffers, where a new one first gives them memory (on a VM, several times the
@@ -109,21 +109,21 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    _train_core, side_core, _separate = bench.placement()
-    machine = bench.machine()
-    procs = bench.Processes()
+    _train_core, side_core, _separate = benchlib.placement()
+    machine = benchlib.machine()
+    procs = benchlib.Processes()
     workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     connections = [int(n) for n in args.connections.split(",")]
     total, shard = int(args.gib * GiB), args.shard_mib * MiB
     try:
-        loopback = bench.measure_loopback(min(total, 1 * GiB), side_core, procs)
+        loopback = benchlib.measure_loopback(min(total, 1 * GiB), side_core, procs)
         rows = [row for mode in args.modes.split(",") for row in
                 measure(mode, connections, total, shard, workdir, procs, side_core)]
     finally:
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
     limit = loopback["bandwidth"]
-    print(f"\nmachine: {bench.describe_machine(machine)}")
+    print(f"\nmachine: {benchlib.describe_machine(machine)}")
     print(f"loopback TCP limit: {limit / MiB:,.0f} MiB/s; shards of {args.shard_mib} MiB, {args.gib:g} GiB per row")
     print(f"  {'mode':6} {'connections':>11} {'MiB/s':>8} {'x limit':>8} {'dash-memd CPU s/GiB':>20}")
     for row in rows:

@@ -26,29 +26,29 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import bench_checkpoint as bench  # noqa: E402
+import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
 
 from dashrun.util import daemon  # noqa: E402
 
 MiB = 1 << 20
 
 
-def start_memd(directory: Path, procs: bench.Processes, core: int, nbytes: int, plaintext: bool):
+def start_memd(directory: Path, procs: benchlib.Processes, core: int, nbytes: int, plaintext: bool):
     from dashrun.util.tokens import write_token
 
     directory.mkdir(parents=True)
     token = write_token(directory / "token")
     ready = directory / "ready"
-    proc = procs.start_daemon("dash-memd", bench.pinned(
+    proc = procs.start_daemon("dash-memd", benchlib.pinned(
         [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
          str(directory / "data"), "--memory-limit", str(4 * nbytes), "--token-file", str(directory / "token"),
          "--ready-file", str(ready), *(["--no-tls"] if plaintext else [])], core),
-        ready=daemon.file_written(ready), log=directory / "memd.log", cwd=HERE.parent, env=bench.child_env())
+        ready=daemon.file_written(ready), log=directory / "memd.log", cwd=HERE.parent, env=benchlib.child_env())
     host, port = ready.read_text().strip().rsplit(":", 1)
     return proc, host, int(port), token
 
 
-def measure(nbytes: int, rounds: int, client_core: int, memd_core: int, procs: bench.Processes,
+def measure(nbytes: int, rounds: int, client_core: int, memd_core: int, procs: benchlib.Processes,
             scratch: Path) -> dict:
     import psutil
     import torch
@@ -57,7 +57,7 @@ def measure(nbytes: int, rounds: int, client_core: int, memd_core: int, procs: b
     from dashrun.wire.messages import ShardHeader
     from dashrun.wire.tls import TlsSettings
 
-    bench.pin_process({client_core})
+    benchlib.pin_process({client_core})
     payload = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
     back = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
     src, dst = memoryview(payload.numpy()), memoryview(back.numpy())
@@ -86,7 +86,7 @@ def measure(nbytes: int, rounds: int, client_core: int, memd_core: int, procs: b
     finally:
         for _, client in links.values():
             client.close()
-    limit = bench.measure_loopback(nbytes, memd_core, procs)  # the receiver where dash-memd runs
+    limit = benchlib.measure_loopback(nbytes, memd_core, procs)  # the receiver where dash-memd runs
     return {"samples": samples, "loopback_s": limit["time_s"]}
 
 
@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-core", action="store_true", help="also with the client on dash-memd's core")
     args = parser.parse_args(argv)
     nbytes = args.size_mib * MiB
-    first, second, _separate = bench.placement()
-    procs = bench.Processes()
+    first, second, _separate = benchlib.placement()
+    procs = benchlib.Processes()
     scratch = Path(tempfile.mkdtemp(prefix="dashbench-link-"))
-    print(bench.describe_machine(bench.machine()))
+    print(benchlib.describe_machine(benchlib.machine()))
     try:
         report(nbytes, "client on the other core", measure(nbytes, args.rounds, first, second, procs, scratch))
         if args.same_core:

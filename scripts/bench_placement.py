@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import bench_checkpoint as bench  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
+import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
+import bench_checkpoint as bench  # noqa: E402  (its variants and their interleaved run)
 
 from dashrun.util import daemon  # noqa: E402
 from dashrun.util.cpus import format_cpus  # noqa: E402
@@ -125,8 +126,8 @@ def rank_main(args) -> int:
     import torch
 
     scratch = Path(args.out).parent / f"torchsave-{os.getpid()}"
-    model, optimizer, batch, mdesc = bench.build_model(int(args.size_mib * MiB), batch=args.batch)
-    trainer = bench.Trainer(model, optimizer, batch)
+    model, optimizer, batch, mdesc = benchlib.build_model(int(args.size_mib * MiB), batch=args.batch)
+    trainer = benchlib.Trainer(model, optimizer, batch)
     trainer.step()  # creates the AdamW state
     variants = [bench.NoCheckpoint(), bench.TorchSave(model, optimizer, args.interval, scratch),
                 LaunchedDashrun(model, optimizer, args.interval, args.memd, args.token_file)]
@@ -137,7 +138,7 @@ def rank_main(args) -> int:
         for v in variants:
             v.setup()
         run = bench.interleave(trainer, variants, interval=args.interval, warmup_rounds=args.warmup,
-                               rounds=args.rounds, monitor=bench.CpuMonitor(named), train_core=mine[0],
+                               rounds=args.rounds, monitor=benchlib.CpuMonitor(named), train_core=mine[0],
                                log=lambda msg: print(f"[rank] {msg}", flush=True))
         summary = {v.key: bench.summarise(v.key, v, run) for v in variants}
         results = {v.key: v.result() for v in variants}
@@ -157,18 +158,18 @@ def rank_main(args) -> int:
 # --- the trial, launched --------------------------------------------------------------------------
 
 
-def start_memd(procs: bench.Processes, scratch: Path, core: int, memory_limit: str) -> tuple[str, Path]:
+def start_memd(procs: benchlib.Processes, scratch: Path, core: int, memory_limit: str) -> tuple[str, Path]:
     """dash-memd pinned to ``core``, TLS; its address and token file."""
     from dashrun.util.tokens import write_token
 
     token_file = scratch / "token"
     write_token(token_file)
     ready = scratch / "memd.ready"
-    procs.start_daemon("dash-memd", bench.pinned(
+    procs.start_daemon("dash-memd", benchlib.pinned(
         [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
          str(scratch / "memd-data"), "--memory-limit", memory_limit, "--token-file", str(token_file),
          "--ready-file", str(ready)], core), ready=daemon.file_written(ready), log=scratch / "memd.log",
-        cwd=bench.REPO, env=bench.child_env())
+        cwd=benchlib.REPO, env=benchlib.child_env())
     return ready.read_text().strip(), token_file
 
 
@@ -182,7 +183,7 @@ def launch(args, placement: str, run: int, memd: str, token_file: Path, scratch:
            str(Path(__file__).resolve()), "--rank", "--out", str(out), "--memd", memd, "--token-file",
            str(token_file), "--size-mib", str(args.size_mib), "--interval", str(args.interval), "--rounds",
            str(args.rounds), "--warmup", str(args.warmup), "--batch", str(args.batch)]
-    proc = procs.start(f"dashrun {placement}", cmd, log=log, cwd=bench.REPO, env=bench.child_env())
+    proc = procs.start(f"dashrun {placement}", cmd, log=log, cwd=benchlib.REPO, env=benchlib.child_env())
     try:
         code = proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -231,12 +232,12 @@ def main_trial(args) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     memd_core = allowed[-1]
-    procs = bench.Processes()
+    procs = benchlib.Processes()
     scratch = Path(tempfile.mkdtemp(prefix="dashplace-", dir="/tmp"))
     began = time.perf_counter()
     try:
         memd, token_file = start_memd(procs, scratch, memd_core, args.memory_limit)
-        print(f"machine: {bench.describe_machine(bench.machine())}; CPUs allowed {format_cpus(allowed)}")
+        print(f"machine: {benchlib.describe_machine(benchlib.machine())}; CPUs allowed {format_cpus(allowed)}")
         print(f"dash-memd (TLS) pinned to CPU {memd_core}; one rank of {args.size_mib:g} MiB of state (MLP + AdamW), "
               f"launched with dashrun; a checkpoint every {args.interval} steps, {args.warmup} warm-up and "
               f"{args.rounds} measured per variant and run; {args.runs} runs per placement, interleaved", flush=True)
@@ -250,9 +251,9 @@ def main_trial(args) -> int:
                 print(f"  run {r + 1}/{args.runs} {placement:>4}: rank on CPU {format_cpus(f['rank_cpus'])} "
                       f"({f['torch_threads']} torch threads), dash-agent on CPU "
                       f"{format_cpus(f['agent_cpus']) if f['agent_cpus'] else '?'}; step "
-                      f"{bench.fmt_ms(f['step_s'])}; added per checkpoint: dashrun "
-                      f"{bench.fmt_ms(f['dashrun_added_s'])} ± {bench.fmt_ms(f['dashrun_stderr_s'])}, torch.save "
-                      f"{bench.fmt_ms(f['torch_save_added_s'])} ± {bench.fmt_ms(f['torch_save_stderr_s'])} -> {pct}",
+                      f"{benchlib.fmt_ms(f['step_s'])}; added per checkpoint: dashrun "
+                      f"{benchlib.fmt_ms(f['dashrun_added_s'])} ± {benchlib.fmt_ms(f['dashrun_stderr_s'])}, torch.save "
+                      f"{benchlib.fmt_ms(f['torch_save_added_s'])} ± {benchlib.fmt_ms(f['torch_save_stderr_s'])} -> {pct}",
                       flush=True)
         report(args, runs, time.perf_counter() - began)
         if args.json:
@@ -276,9 +277,9 @@ def report(args, runs: dict[str, list[dict]], took: float) -> None:
     print("|---|---:|---:|---:|---:|")
     for placement, rows in runs.items():
         print(f"| {placement} | {spread([r['pct'] for r in rows], pct)} "
-              f"| {spread([r['dashrun_added_s'] for r in rows], bench.fmt_ms)} "
-              f"| {spread([r['torch_save_added_s'] for r in rows], bench.fmt_ms)} "
-              f"| {spread([r['step_s'] for r in rows], bench.fmt_ms)} |")
+              f"| {spread([r['dashrun_added_s'] for r in rows], benchlib.fmt_ms)} "
+              f"| {spread([r['torch_save_added_s'] for r in rows], benchlib.fmt_ms)} "
+              f"| {spread([r['step_s'] for r in rows], benchlib.fmt_ms)} |")
     auto = [r["pct"] for r in runs["auto"] if r["pct"] is not None]
     if auto:
         met = statistics.median(auto) <= TARGET_PCT

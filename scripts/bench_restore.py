@@ -70,7 +70,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-import bench_checkpoint as bench  # noqa: E402
+import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
 
 from dashrun.util import daemon  # noqa: E402
 
@@ -84,7 +84,7 @@ sys.path.insert(0, {scripts!r})
 import torch
 torch.set_num_threads(1)
 imported = time.time() - started
-from bench_checkpoint import build_model
+from benchlib import build_model
 model, optimizer, _batch, _ = build_model({size})
 built = time.time() - started
 if sys.argv[1] == "torch.load":
@@ -102,7 +102,7 @@ print("RESTORED", step, time.time() - started, began, imported, built, flush=Tru
 class Stack:
     """A dash-memd and a dash-agent for one way of restoring (TLS or not), restartable."""
 
-    def __init__(self, workdir: Path, procs: bench.Processes, core: int, *, plaintext: bool, memory: int):
+    def __init__(self, workdir: Path, procs: benchlib.Processes, core: int, *, plaintext: bool, memory: int):
         from dashrun.util.tokens import write_token
         from dashrun.wire.tls import TlsSettings
 
@@ -120,11 +120,11 @@ class Stack:
     def start_memd(self) -> None:
         ready = self.dir / "memd.ready"
         ready.unlink(missing_ok=True)
-        self.memd = self.procs.start_daemon("dash-memd", bench.pinned(
+        self.memd = self.procs.start_daemon("dash-memd", benchlib.pinned(
             [sys.executable, "-m", "dashrun.memd", "start", "--listen", self.listen, "--data-dir",
              str(self.dir / "memd-data"), "--memory-limit", str(self.memory), "--token-file", str(self.token_file),
              "--ready-file", str(ready), *self.tls.args()], self.core), ready=daemon.file_written(ready),
-            log=self.dir / "memd.log", cwd=REPO, env=bench.child_env())
+            log=self.dir / "memd.log", cwd=REPO, env=benchlib.child_env())
         self.listen = ready.read_text().strip()  # the same port when restarted
 
     def restart_memd(self) -> None:
@@ -133,9 +133,9 @@ class Stack:
 
     def start_agent(self) -> None:
         sock = self.dir / "agent.sock"
-        env = {**bench.child_env(), "DASH_NO_PREFETCH": "1"}
+        env = {**benchlib.child_env(), "DASH_NO_PREFETCH": "1"}
         env.pop("DASH_JOB_ID", None)
-        self.agent = self.procs.start_daemon("dash-agent", bench.pinned(
+        self.agent = self.procs.start_daemon("dash-agent", benchlib.pinned(
             [sys.executable, "-m", "dashrun.agent", "--memd", self.listen, "--token-file", str(self.token_file),
              "--socket", str(sock), *self.tls.args()], self.core), ready=daemon.accepting(sock),
             log=self.dir / "agent.log", cwd=REPO, env=env)
@@ -199,7 +199,7 @@ def summary(rounds: list[tuple[float, dict[str, float], float | None]], nbytes: 
             **({"first_step_s": statistics.median(first), "first_steps_s": first} if first else {})}
 
 
-def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, cores: tuple[int, int],
+def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processes, cores: tuple[int, int],
                  plain: bool, first_step: bool = False) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -209,8 +209,8 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
     import dashrun.dcp as ddcp
 
     train_core, side_core = cores
-    model, optimizer, batch, described = bench.build_model(size)
-    bench.Trainer(model, optimizer, batch).step()  # the optimizer has its state, as at a checkpoint
+    model, optimizer, batch, described = benchlib.build_model(size)
+    benchlib.Trainer(model, optimizer, batch).step()  # the optimizer has its state, as at a checkpoint
     step = 41
 
     stacks = [Stack(workdir / "tls", procs, side_core, plaintext=False, memory=size * 3)]
@@ -288,7 +288,7 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
 
     # The first training step after a restore, timed apart (--first-step): a restore that maps state
     # copy-on-write (mmap=True, this node's image) leaves the copying of the optimizer's pages to it.
-    step_after = bench.Trainer(model, optimizer, batch).step if first_step else None
+    step_after = benchlib.Trainer(model, optimizer, batch).step if first_step else None
 
     way = functools.partial(timed, after=step_after)
 
@@ -322,7 +322,7 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: bench.Processes, 
             stack.restart_memd()
             times.setdefault(f"{label}, dash-memd disk", []).append(way(lambda: restore(stack), relaunched, stack))
     times = {name: t[1:] if len(t) > rounds else t for name, t in times.items()}
-    loopback = bench.measure_loopback(nbytes, side_core, procs)
+    loopback = benchlib.measure_loopback(nbytes, side_core, procs)
     return {"state_bytes": described["state_bytes"], "checkpoint_bytes": nbytes, "model": described,
             "loopback": loopback, "ways": {name: summary(t, nbytes) for name, t in times.items()},
             "relaunch": None, "_stacks": stacks, "_path": str(path)}
@@ -345,7 +345,7 @@ def measure_relaunch(result: dict, size: int, rounds: int, workdir: Path, train_
     phases: dict[str, list[dict]] = {}
     for _ in range(rounds):
         for name, cmd in commands.items():
-            env = {**bench.child_env(), "BENCH_STARTED": repr(time.time())}
+            env = {**benchlib.child_env(), "BENCH_STARTED": repr(time.time())}
             for key in ("DASH_AGENT_SOCKET", "DASH_JOB_ID", "LOCAL_WORLD_SIZE", "DASH_NO_PREFETCH"):
                 env.pop(key, None)
             out = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True,
@@ -362,7 +362,7 @@ def measure_relaunch(result: dict, size: int, rounds: int, workdir: Path, train_
 
 
 def report(results: list[dict], machine: dict) -> None:
-    print(f"\nmachine: {bench.describe_machine(machine)}")
+    print(f"\nmachine: {benchlib.describe_machine(machine)}")
     for r in results:
         nbytes = r["checkpoint_bytes"]
         limit = r["loopback"]["time_s"]
@@ -393,7 +393,7 @@ def report(results: list[dict], machine: dict) -> None:
                       f"built the model at {phase['model_built_s']:.2f} s")
 
 
-def measure(sizes: list[int], rounds: int, procs: bench.Processes, cores: tuple[int, int], *, plain: bool,
+def measure(sizes: list[int], rounds: int, procs: benchlib.Processes, cores: tuple[int, int], *, plain: bool,
             relaunch_rounds: int = 0, first_step: bool = False) -> list[dict]:
     """Every way of restoring at each state size (and the relaunch at the first), in scratch directories."""
     results = []
@@ -425,10 +425,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    train_core, side_core, _separate = bench.placement()
-    bench.pin_process({train_core})
-    machine = bench.machine()
-    procs = bench.Processes()
+    train_core, side_core, _separate = benchlib.placement()
+    benchlib.pin_process({train_core})
+    machine = benchlib.machine()
+    procs = benchlib.Processes()
     try:
         results = measure([int(s) * MiB for s in args.sizes_mib.split(",")], args.rounds, procs,
                           (train_core, side_core), plain=not args.no_plain, relaunch_rounds=args.relaunch_rounds,

@@ -1,28 +1,44 @@
-"""Fixtures with real parts: a dash-memd process on a free loopback port, tokens, helpers."""
+"""Fixtures with real parts, from the harness (dashrun/testing/): dash-memd, dash-agent, moto, namespaces, tmpfs.
+
+Every test runs under the leak check (``no_leaked_processes``): each process it
+started must be gone after its teardown. The harness's names that tests import
+from here (``wait_for``, ``kill_tree``, ``Memd``, ``dashrun_cmd``) are
+re-exported so that they keep one home, the harness.
+"""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from dashrun.errors import UnavailableError
-from dashrun.util import daemon
+from dashrun.testing import leaks, netns, smallfs
+from dashrun.testing.agent import Agent
+from dashrun.testing.memd import Memd, dashrun_cmd
+from dashrun.testing.processes import free_port, kill_tree, wait_for
+from dashrun.testing.s3 import S3Server, make_bucket, use_endpoint
 from dashrun.util.tokens import write_token
-from dashrun.wire.memd_client import MemdClient
-from dashrun.wire.operator import write_key_pair
-from dashrun.wire.tls import TlsSettings
+
+__all__ = ["REFERENCE_STEPS", "REPO", "TRAIN", "Agent", "Memd", "dashrun_cmd", "free_port", "kill_tree",
+           "load_fake_metadata", "wait_for"]
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "bin" / "train.py"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes():
+    """Fail the test (after killing them) if processes it started outlive its teardown (dashrun.testing.leaks).
+
+    Autouse and function-scoped, so it is set up before and torn down after every other function fixture of
+    the test; module- and session-scoped fixtures are set up before it, outside the tag, and so are exempt.
+    """
+    with leaks.tagged() as watch:
+        yield watch
+    leaks.check(watch)
 
 
 @pytest.fixture(autouse=True)
@@ -43,33 +59,6 @@ def load_fake_metadata():
     return sys.modules["fake_metadata"]
 
 
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.02):
-    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
-    try:
-        return daemon.wait_until(predicate, timeout, what, interval=interval)
-    except TimeoutError as e:
-        raise AssertionError(str(e)) from None
-
-
-def kill_tree(proc: subprocess.Popen | psutil.Process, sig: int = signal.SIGKILL) -> None:
-    """Signal a process and every descendant (the agent runs in its own session, so not by group)."""
-    try:
-        root = psutil.Process(proc.pid)
-        descendants = root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    for p in (proc, *descendants):
-        try:
-            p.send_signal(sig)
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-    if isinstance(proc, subprocess.Popen):
-        proc.wait(timeout=30)  # reaped by Popen itself, so its returncode is the real one
-    else:
-        psutil.wait_procs([proc], timeout=30)
-    psutil.wait_procs(descendants, timeout=30)
-
-
 @pytest.fixture
 def short_tmp():
     """A short directory (Unix socket paths max out near 107 bytes)."""
@@ -85,71 +74,9 @@ def token_file(tmp_path) -> Path:
     return path
 
 
-class Memd:
-    """A dash-memd process started by a test; stopped (or killed) by it."""
-
-    def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path):
-        self.data_dir, self.token_file, self.extra, self.log_path = data_dir, token_file, extra, log_path
-        self.proc: subprocess.Popen | None = None
-        self.host, self.port = "127.0.0.1", 0
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def token(self) -> bytes:
-        return self.token_file.read_bytes().strip()
-
-    @property
-    def operator_key(self) -> Path:
-        """The operator's private key of this cluster (made beside the token file the first time it is asked
-        for); its public key is :attr:`operator_pubkey`."""
-        key = self.token_file.with_name(self.token_file.name + ".operator")
-        if not key.exists():
-            write_key_pair(key)
-        return key
-
-    @property
-    def operator_pubkey(self) -> Path:
-        return self.operator_key.with_name(self.operator_key.name + ".pub")
-
-    def start(self, port: int | None = None) -> Memd:
-        ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
-        listen = f"127.0.0.1:{self.port if port is None else port}"
-        try:
-            self.proc = daemon.start(
-                [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
-                 "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra],
-                ready=daemon.file_written(ready), what="dash-memd", log=self.log_path, timeout=30)
-        except UnavailableError as e:
-            raise AssertionError(f"{e}: {self.log()[-2000:]}") from None
-        self.host, port = ready.read_text().strip().rsplit(":", 1)
-        self.port = int(port)
-        ready.unlink()
-        return self
-
-    @property
-    def tls_args(self) -> list[str]:
-        """The options a client of this dash-memd needs: --no-tls if it was started with it."""
-        return ["--no-tls"] if "--no-tls" in self.extra else []
-
-    def client(self, **kwargs) -> MemdClient:
-        kwargs.setdefault("tls", TlsSettings(plaintext=bool(self.tls_args)))
-        return MemdClient(self.host, self.port, self.token, **kwargs)
-
-    def stop(self) -> int | None:
-        return daemon.stop(self.proc, timeout=30) if self.proc is not None else None
-
-    def kill(self) -> None:
-        daemon.stop(self.proc, timeout=0)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture
 def memd_factory(tmp_path, token_file):
+    """``make(*options, data_dir=None)``: a started dash-memd (harness Memd), stopped after the test."""
     started: list[Memd] = []
 
     def make(*extra: str, data_dir: Path | None = None) -> Memd:
@@ -168,37 +95,9 @@ def memd(memd_factory) -> Memd:
     return memd_factory("--memory-limit", "256MiB")
 
 
-def dashrun_cmd(memd: Memd, *args: str, job: str, nproc: int = 2) -> list[str]:
-    """A launch as the operator runs it: with the cluster's token and the key that signs its launch spec."""
-    key = getattr(memd, "operator_key", None)  # a relay in front of dash-memd stands in for it, keyless
-    return [sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(memd.token_file),
-            *(["--operator-key", str(key)] if key else []), *memd.tls_args, "--job-id", job,
-            "--nproc-per-node", str(nproc), *args]
-
-
-class Agent:
-    """A dash-agent process started by a test."""
-
-    def __init__(self, memd: Memd, socket_path: Path, log_path: Path, env: dict | None = None):
-        self.memd, self.socket_path, self.log_path = memd, socket_path, log_path
-        try:
-            self.proc = daemon.start(
-                [sys.executable, "-m", "dashrun.agent", "--memd", memd.address, "--token-file", str(memd.token_file),
-                 "--socket", str(socket_path), "--memd-timeout", "10", "--drain-timeout", "10", *memd.tls_args],
-                ready=daemon.accepting(socket_path), what="dash-agent", log=log_path, timeout=30,
-                env={**os.environ, **(env or {})})
-        except UnavailableError as e:
-            raise AssertionError(f"{e}: {self.log()[-2000:]}") from None
-
-    def stop(self) -> None:
-        daemon.stop(self.proc, timeout=30)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture
 def agent_factory(short_tmp, tmp_path):
+    """``make(memd, env=None)``: a serving dash-agent (harness Agent), stopped after the test."""
     started: list[Agent] = []
 
     def make(memd: Memd, env: dict | None = None) -> Agent:
@@ -252,19 +151,32 @@ def reference(tmp_path_factory) -> dict[int, dict]:
     return final_states(out)
 
 
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """One moto S3 server for the module's tests (harness S3Server); empty again only if a test restarts it."""
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch, tmp_path):
+    """A fresh bucket on ``s3_server``, and this process's AWS chain pointed at it alone."""
+    use_endpoint(monkeypatch, s3_server.endpoint, tmp_path)
+    return make_bucket(s3_server)
+
+
 @pytest.fixture
 def fleet_factory():
-    """``fleet_factory(count)``: nodes in network namespaces on a bridge (tests/netns.py), removed after the test;
-    the test is skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
-    from netns import Fleet, unavailable
+    """``fleet_factory(count)``: nodes in network namespaces on a bridge (dashrun.testing.netns), removed after
+    the test; the test is skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
+    made: list[netns.Fleet] = []
 
-    made: list[Fleet] = []
-
-    def make(count: int = 1) -> Fleet:
-        reason = unavailable()
+    def make(count: int = 1) -> netns.Fleet:
+        reason = netns.unavailable()
         if reason:
             pytest.skip(reason)
-        fleet = Fleet(count)
+        fleet = netns.Fleet(count)
         made.append(fleet)
         return fleet.__enter__()
 
@@ -273,44 +185,16 @@ def fleet_factory():
         fleet.close()
 
 
-class SmallFs:
-    """A size-limited file system (tmpfs) mounted at ``path``; ``resize`` remounts it with another size."""
-
-    def __init__(self, path: Path, size: str):
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], check=True,
-                       capture_output=True, timeout=30)
-
-    def resize(self, size: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True, capture_output=True,
-                       timeout=30)
-
-    def fill(self) -> Path:
-        """Write a file that takes every byte left; deleting it gives the space back."""
-        filler = self.path / "filler"
-        with open(filler, "wb", buffering=0) as f:
-            try:
-                while f.write(b"\0" * (64 << 10)):
-                    pass
-            except OSError:  # no space left
-                pass
-        return filler
-
-    def unmount(self) -> None:
-        if subprocess.run(["umount", str(self.path)], capture_output=True, timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=30)  # still in use: detach
-
-
 @pytest.fixture
 def small_fs(tmp_path):
     """``small_fs(size)``: a tmpfs of ``size`` (mount's units: ``4m``), always unmounted; skips unless root."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a size-limited file system needs root and mount(8)")
-    mounted: list[SmallFs] = []
+    reason = smallfs.unavailable()
+    if reason:
+        pytest.skip(reason)
+    mounted: list[smallfs.SmallFs] = []
 
-    def make(size: str) -> SmallFs:
-        fs = SmallFs(tmp_path / f"small-fs-{len(mounted)}", size)
+    def make(size: str) -> smallfs.SmallFs:
+        fs = smallfs.SmallFs(tmp_path / f"small-fs-{len(mounted)}", size)
         mounted.append(fs)
         return fs
 

@@ -18,8 +18,6 @@ from dashrun.errors import ChecksumError, NotFoundError
 from dashrun.memd.store.catalogue import Catalogue
 from dashrun.memd.store.tiers import DiskTier, RamTier
 
-pytest_plugins = ("s3server",)  # s3_server, s3_bucket
-
 
 def shard_file(disk: DiskTier, job: str, step: int, rank: int):
     return disk.step_dir(job, step) / f"rank-{rank:05d}.bin"

@@ -25,12 +25,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import REFERENCE_STEPS, REPO, TRAIN, dashrun_cmd, kill_tree, wait_for
-from netns import Relay
 from runs import assert_identical, last_step, starts
 
 from dashrun.errors import DashError
 from dashrun.memd.store.tiers.base import MANIFEST
 from dashrun.memd.store.tiers.disk import DiskTier
+from dashrun.testing.netns import Relay
+from dashrun.testing.processes import free_port
 from dashrun.wire import layout
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.planner import MemdSource, Planner, everything
@@ -274,8 +275,6 @@ def test_a_rank_without_a_free_buffer_makes_every_rank_skip(memd, agent_factory,
     """Two gloo ranks; rank 1's link to dash-memd is down, so its two buffers stay on their way. Every rank must
     skip the due snapshots rank 1 cannot take (rank 0's shards of them would never commit, and the job's last
     wait() would block), then both snapshot again once the link is back."""
-    from s3server import free_port
-
     job, out = "skip-together", tmp_path / "out"
     out.mkdir()
     with Relay((memd.host, memd.port)) as relay:

@@ -14,9 +14,7 @@ import logging
 import os
 import queue
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,11 +28,11 @@ from dashrun.errors import UnavailableError, UsageError
 from dashrun.launch import fanout
 from dashrun.launch import hostfile as hosts
 from dashrun.launch.options import build_parser
+from dashrun.testing import leaks
+from dashrun.testing.processes import free_port
+from dashrun.testing.sshd import Sshd, keygen, unavailable
 
-SSHD = Path("/usr/sbin/sshd")
-needs_sshd = pytest.mark.skipif(
-    not SSHD.exists() or not shutil.which("ssh-keygen"),
-    reason="needs OpenSSH's sshd and ssh-keygen (Debian: apt-get install -y openssh-server)")
+needs_sshd = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
 # --- the hostfile (fast) -----------------------------------------------------------
@@ -208,74 +206,18 @@ def test_stripping_understands_argparse_spellings():
 # --- two hosts through two real sshd ------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def keygen(path: Path) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)], check=True)
-    return path.with_suffix(".pub").read_text().strip()
-
-
-class Sshd:
-    """An OpenSSH server of the test's own on a loopback port, with its own host key; stopped by the test."""
-
-    def __init__(self, name: str, root: Path, authorized_keys: Path, extra: str = ""):
-        self.name, self.port = name, free_port()
-        root.mkdir()
-        self.host_key = keygen(root / "host_ed25519_key")
-        self.log_path = root / "sshd.log"
-        config = root / "sshd_config"
-        config.write_text(f"""\
-ListenAddress 127.0.0.1:{self.port}
-HostKey {root / 'host_ed25519_key'}
-PidFile {root / 'sshd.pid'}
-AuthorizedKeysFile {authorized_keys}
-AllowUsers {getpass.getuser()}
-PubkeyAuthentication yes
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-PermitRootLogin prohibit-password
-StrictModes no
-PrintMotd no
-PrintLastLog no
-{extra}
-""")
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdout=self._log,
-                                     stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: "Server listening" in self.log() or self.proc.poll() is not None, 30, f"{name}'s sshd")
-            assert self.proc.poll() is None, self.log()
-        except BaseException:
-            self.stop()
-            raise
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        kill_tree(self.proc, signal.SIGTERM)  # sshd, and whatever its sessions still run
-        self._log.close()
-
-
 @pytest.fixture
 def cluster(tmp_path):
-    """``make(extra_b=...)``: hostA and hostB, two sshd on loopback, and the ssh config and known_hosts for them."""
-    if os.geteuid() == 0 and not Path("/run/sshd").is_dir():
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+    """``make(env_b=...)``: hostA and hostB, two sshd on loopback, and the ssh config and known_hosts for them."""
     started: list[Sshd] = []
 
-    def make(extra_b: str = "", known: tuple[str, ...] = ("hostA", "hostB")) -> Path:
+    def make(env_b: dict | None = None, known: tuple[str, ...] = ("hostA", "hostB")) -> Path:
         root = tmp_path / "ssh"
         root.mkdir()
         authorized = root / "authorized_keys"
         authorized.write_text(keygen(root / "client_key") + "\n")
-        for name, extra in (("hostA", ""), ("hostB", extra_b)):
-            started.append(Sshd(name, root / name, authorized, extra))
+        for name, env in (("hostA", None), ("hostB", env_b)):
+            started.append(Sshd(name, root / name, authorized, env=env))
         known_hosts = root / "known_hosts"
         known_hosts.write_text("".join(f"[127.0.0.1]:{s.port} {s.host_key}\n" for s in started if s.name in known))
         config = root / "config"
@@ -351,26 +293,14 @@ def finish(proc: subprocess.Popen, timeout: float = 90) -> tuple[str, str]:
         raise AssertionError(f"dashrun did not finish within {timeout:.0f}s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
-def leftovers(marker: str) -> list[str]:
-    """dashrun, dash-agent and rank processes of this test (their command lines name its temporary directory)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if any(marker in word for word in cmd) and ("dashrun" in cmd or "agent" in cmd or str(TRAIN) in cmd):
-            found.append(" ".join(cmd))
-    return found
-
-
-def assert_no_leftovers(tmp_path: Path, timeout: float = 90) -> None:
-    """Every process of the job is gone within ``timeout`` (their command lines are named when one lingers).
+def assert_no_leftovers(watch: leaks.Watch, memd, cluster, timeout: float = 90) -> None:
+    """Every process of the job is gone within ``timeout``, only dash-memd and the sshd servers left (the leak
+    check names the command line of any that lingers, and kills it).
 
     A host that did not stop within the fan-out's grace is hung up on, and only then begins its own graceful
     stop (torch's 30 s shutdown timeout): the deadline covers that whole chain on a loaded machine.
     """
-    try:
-        wait_for(lambda: not leftovers(str(tmp_path)), timeout, "no processes of the job left")
-    except AssertionError as e:
-        raise AssertionError(f"{e}: " + "; ".join(leftovers(str(tmp_path)))) from None
+    leaks.check(watch, timeout, keep=[memd.proc.pid, *(sshd.proc.pid for sshd in cluster.hosts)])
 
 
 def write_hostfile(tmp_path: Path, text: str) -> Path:
@@ -381,7 +311,7 @@ def write_hostfile(tmp_path: Path, text: str) -> Path:
 
 @needs_sshd
 @pytest.mark.slow
-def test_a_job_runs_on_both_hosts(cluster, memd, tmp_path):
+def test_a_job_runs_on_both_hosts(cluster, memd, tmp_path, no_leaked_processes):
     ssh_config = cluster()
     out = tmp_path / "out"
     proc = launch(memd, ssh_config, write_hostfile(tmp_path, "hostA slots=2\nhostB slots=1\n"),
@@ -400,18 +330,18 @@ def test_a_job_runs_on_both_hosts(cluster, memd, tmp_path):
     with memd.client() as client:
         newest = client.latest("two-hosts")
     assert (newest.step, newest.world) == (9, 3)
-    assert_no_leftovers(tmp_path)
+    assert_no_leftovers(no_leaked_processes, memd, cluster)
 
 
 @needs_sshd
 @pytest.mark.slow
-def test_the_first_host_that_fails_stops_the_others(cluster, memd, tmp_path):
+def test_the_first_host_that_fails_stops_the_others(cluster, memd, tmp_path, no_leaked_processes):
     # hostB's ranks exit 3 as they start (hostB's sshd gives its sessions a sitecustomize that does it), so
     # hostA's ranks wait in the process group's rendezvous until dashrun stops them.
     failing = tmp_path / "failing"
     failing.mkdir()
     (failing / "sitecustomize.py").write_text("import os\nif 'LOCAL_RANK' in os.environ:\n    os._exit(3)\n")
-    ssh_config = cluster(extra_b=f"SetEnv PYTHONPATH={failing}")
+    ssh_config = cluster(env_b={"PYTHONPATH": str(failing)})
     out = tmp_path / "out"
     proc = launch(memd, ssh_config, write_hostfile(tmp_path, "hostA slots=1\nhostB slots=1\n"),
                   "--shutdown-timeout", "5", str(TRAIN), "--steps", "12", "--out", str(out), job="one-fails")
@@ -422,12 +352,12 @@ def test_the_first_host_that_fails_stops_the_others(cluster, memd, tmp_path):
     assert "host hostB failed first (exit code 1)" in stderr
     assert any(line.startswith("[hostB] dashrun: error: rank ") and "failed first (exit code 3)" in line
                for line in stdout.splitlines()), stdout[-3000:]
-    assert_no_leftovers(tmp_path)
+    assert_no_leftovers(no_leaked_processes, memd, cluster)
 
 
 @needs_sshd
 @pytest.mark.slow
-def test_a_host_lost_from_an_elastic_job_is_a_shrink(cluster, memd, tmp_path):
+def test_a_host_lost_from_an_elastic_job_is_a_shrink(cluster, memd, tmp_path, no_leaked_processes):
     """--nnodes 1:2 over SSH: hostB's sshd is SIGKILLed with everything its session runs, as a host taken away
     is; hostA goes on alone from the newest checkpoint and the job ends well."""
     from test_elastic import ELASTIC_TRAIN, assert_each_sample_once, assert_redone_at_most, newest_step, worlds
@@ -455,12 +385,12 @@ def test_a_host_lost_from_an_elastic_job_is_a_shrink(cluster, memd, tmp_path):
     assert_redone_at_most(out, steps, interval, lost_after)
     assert_each_sample_once(out)
     assert any("world 2 -> 1: " in line and " lost" in line for line in (stdout + stderr).splitlines()), stdout[-3000:]
-    assert_no_leftovers(tmp_path)
+    assert_no_leftovers(no_leaked_processes, memd, cluster)
 
 
 @needs_sshd
 @pytest.mark.slow
-def test_ctrl_c_stops_every_host(cluster, memd, tmp_path):
+def test_ctrl_c_stops_every_host(cluster, memd, tmp_path, no_leaked_processes):
     ssh_config = cluster()
     out = tmp_path / "out"
     proc = launch(memd, ssh_config, write_hostfile(tmp_path, "hostA\nhostB\n"),
@@ -479,7 +409,7 @@ def test_ctrl_c_stops_every_host(cluster, memd, tmp_path):
             kill_tree(proc)
     assert proc.returncode == 1, f"{stdout[-3000:]}\n{stderr[-3000:]}"
     assert "stopped by signal SIGINT" in stderr
-    assert_no_leftovers(tmp_path)
+    assert_no_leftovers(no_leaked_processes, memd, cluster)
 
 
 @needs_sshd

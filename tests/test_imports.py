@@ -116,21 +116,28 @@ def test_there_is_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
 
 
-# Who may import whom, transitively: (these modules, must never reach these packages)
-BOUNDARIES = [
-    ("dashrun.rank", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
-    ("dashrun.dcp", ("dashrun.launch", "dashrun.memd", "dashrun.agent")),
-    ("dashrun.memd", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.agent")),
-    ("dashrun.agent", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd")),
-    ("dashrun.launch", ("dashrun.memd", "dashrun.agent")),
-    ("dashrun.wire", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
+#: The layout's rules, the one table of them: (package, the packages it must never reach, transitively, and
+#: whether it imports torch). docs/architecture.md's "Layout" section shows the same table, checked below.
+LAYOUT = [
+    ("dashrun.rank", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent"), True),
+    ("dashrun.dcp", ("dashrun.launch", "dashrun.memd", "dashrun.agent"), True),
+    ("dashrun.memd", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.agent"), False),
+    ("dashrun.memd.store", ("dashrun.memd.fleet",), False),
+    ("dashrun.agent", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd"), False),
+    ("dashrun.launch", ("dashrun.memd", "dashrun.agent"), True),
+    ("dashrun.wire", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent"), False),
     ("dashrun.util", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent",
-                      "dashrun.wire")),
-    ("dashrun.data", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent")),
-    ("dashrun.errors", ("dashrun",)),
+                      "dashrun.wire"), False),
+    ("dashrun.data", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent"), True),
+    ("dashrun.errors", ("dashrun",), False),
     ("dashrun.env", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent",
-                     "dashrun.wire")),
+                     "dashrun.wire"), False),
+    ("dashrun.testing", (), False),
 ]
+# Who may import whom, transitively: (these modules, must never reach these packages)
+BOUNDARIES = [(source, forbidden) for source, forbidden, _ in LAYOUT if forbidden]
+#: The packages that import torch (at any depth of their own modules); the others never do.
+TORCH = {source.split(".")[1] for source, _, torch in LAYOUT if torch}
 
 
 @pytest.mark.parametrize("source,forbidden", BOUNDARIES, ids=[b[0] for b in BOUNDARIES])
@@ -143,6 +150,38 @@ def test_import_boundaries(source, forbidden):
         if bad:
             broken[name] = bad
     assert not broken, f"{source} must not import {', '.join(forbidden)}: {broken}"
+
+
+def test_only_the_harness_imports_the_harness():
+    """dashrun.testing is for the tests and scripts: no product module imports it (it may import any)."""
+    importers = sorted(name for name, edges in GRAPH.items()
+                       if not _in(name, "dashrun.testing") and any(_in(m, "dashrun.testing") for m in edges))
+    assert not importers
+
+
+def _architecture_layout() -> str:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    return text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_architecture_doc_shows_the_layouts_rules():
+    """docs/architecture.md's rules table is LAYOUT, row for row."""
+    rows = re.findall(r"^\| `(dashrun[\w.]*)` \| (.*?) \| (yes|no) \|$", _architecture_layout(), re.M)
+    shown = [(package, tuple(re.findall(r"`([\w.]+)`", forbidden)), torch == "yes") for package, forbidden, torch in rows]
+    assert shown == LAYOUT
+
+
+def test_the_architecture_doc_maps_every_installed_package():
+    """Every package setup.cfg installs has its folder in the map (agent/ is installed as dashrun.agent)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    packages = config["options"]["packages"].split()
+    tree = _architecture_layout().split("```", 2)[1]
+    folders = set(re.findall(r"([a-z_]+)/", tree))
+    missing = [p for p in packages if p != "dashrun" and p.rsplit(".", 1)[1] not in folders]
+    assert not missing, missing
+    assert "package_dir =\n    dashrun.agent = agent" in (REPO / "setup.cfg").read_text()
+    assert "agent/     dash-agent, installed as dashrun.agent" in tree
 
 
 def test_nothing_imports_the_agent_but_the_agent():
@@ -351,7 +390,7 @@ print("ran without numpy")
 
 
 def test_only_the_packages_the_layout_names_import_torch():
-    """docs/architecture.md: of the packages, only rank/, launch/, dcp/ and data/ import torch (at any depth)."""
+    """LAYOUT (and so docs/architecture.md): of the packages, only rank/, launch/, dcp/ and data/ import torch."""
     importers = {name.split(".")[1] for name, path in MODULES.items() if name.count(".") >= 1
                  and any(module == "torch" or module.startswith("torch.") for module, _, _ in _imports(name, path))}
-    assert importers == {"rank", "launch", "dcp", "data"}
+    assert importers == TORCH == {"rank", "launch", "dcp", "data"}

@@ -30,8 +30,6 @@ from dashrun.wire.messages import JobSpec
 from dashrun.wire.protocol import crc32c
 from dashrun.wire.tls import TlsSettings
 
-pytest_plugins = ("s3server",)  # s3_server, s3_bucket
-
 #: The manifest key of the catalogues these tests make (a dash-memd derives its own from its token).
 KEY = manifest_key(b"test_object_store")
 

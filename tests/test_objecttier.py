@@ -20,18 +20,15 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import wait_for
 
-pytest.register_assert_rewrite("s3server")  # before the import below, so its asserts report well
-from s3server import KEY, S3Server, make_bucket, use_endpoint
 from test_tiers import make_checkpoint
 
 from dashrun.errors import ChecksumError, NotFoundError, SignatureError, UnavailableError, UsageError
 from dashrun.memd.store.tiers import DiskTier
 from dashrun.memd.store.tiers.object import ObjectTier
 from dashrun.memd.store.tiers.signing import manifest_key
+from dashrun.testing.s3 import KEY, S3Server, make_bucket, use_endpoint
 from dashrun.wire.messages import JobSpec
 from dashrun.wire.protocol import crc32c
-
-pytest_plugins = ("s3server",)  # s3_server, s3_bucket
 
 MiB = 1 << 20
 

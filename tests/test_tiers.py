@@ -22,8 +22,6 @@ from dashrun.util.files import write_new
 from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
 from dashrun.wire.protocol import crc32c
 
-pytest_plugins = ("s3server",)  # s3_server, s3_bucket
-
 KEY = manifest_key(b"test_tiers")  # the object tier's manifest key (a dash-memd derives its own from its token)
 
 LAYOUT = "cd" * 32

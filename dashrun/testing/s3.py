@@ -1,19 +1,17 @@
-"""A real S3 API for tests: moto's server as a process on a free loopback port.
+"""A real S3 API: moto's server as a process on a free loopback port, and buckets on it.
 
-A test module uses the fixtures with ``pytest_plugins = ("s3server",)``:
-
-- ``s3_server`` (module scope): one moto server, stopped when the module's tests are done.
-- ``s3_bucket`` (function scope): a fresh bucket on it, and the environment of the
-  standard AWS chain pointed at it (dummy credentials, ``AWS_ENDPOINT_URL``),
-  isolated from any ``~/.aws`` of the machine running the tests.
-
-moto keeps everything in memory: a restarted server (``S3Server.restart``,
-same port) starts empty.
+The tests' fixtures (tests/conftest.py): ``s3_server`` (module scope, one moto
+server) and ``s3_bucket`` (a fresh bucket on it, and the environment of the
+standard AWS chain pointed at it with :func:`use_endpoint`, isolated from any
+``~/.aws`` of the machine). moto keeps everything in memory: a restarted
+server (:meth:`S3Server.restart`, same port) starts empty. A server keeps the
+leak tag of the scope that made it (:mod:`dashrun.testing.leaks`), so one
+restarted inside a test is still its fixture's.
 """
 
 from __future__ import annotations
 
-import socket
+import os
 import subprocess
 import sys
 import urllib.error
@@ -23,23 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
-import pytest
 from botocore.config import Config
-from conftest import wait_for
 
 from dashrun.memd.store.tiers.signing import manifest_key
+from dashrun.testing import leaks
+from dashrun.testing.processes import free_port, wait_for
+
+__all__ = ["ACCESS_KEY", "KEY", "REGION", "SECRET_KEY", "Bucket", "S3Server", "make_bucket", "use_endpoint"]
 
 ACCESS_KEY = "testing-access-key"
 SECRET_KEY = "testing-secret-key"
 REGION = "us-east-1"
 #: The manifest key of the tests that make an ObjectTier themselves (a dash-memd derives its own from its token).
 KEY = manifest_key(b"the token of the tests that make an ObjectTier themselves")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:
@@ -49,6 +43,7 @@ class S3Server:
         self.log_path = log_path
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.leak_tag = os.environ.get(leaks.TAG)  # the scope that made it owns its processes, restarts included
 
     @property
     def endpoint(self) -> str:
@@ -56,8 +51,13 @@ class S3Server:
 
     def start(self) -> S3Server:
         with open(self.log_path, "ab") as log:
+            env = leaks.untagged_env()
+            if self.leak_tag is not None:
+                env[leaks.TAG] = self.leak_tag
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        if self.leak_tag != os.environ.get(leaks.TAG):
+            leaks.exempt(self.proc.pid)  # a wider scope's server, restarted inside a test
         wait_for(lambda: self._answers() or self.proc.poll() is not None, 60, "the moto S3 server to answer")
         assert self.proc.poll() is None, f"moto server exited: {self.log_path.read_text()[-2000:]}"
         return self
@@ -92,6 +92,8 @@ class S3Server:
 
 @dataclass
 class Bucket:
+    """A bucket on ``server``, with a client for the test's own direct access."""
+
     server: S3Server
     name: str
     client: object
@@ -108,7 +110,10 @@ class Bucket:
 
 
 def use_endpoint(monkeypatch, endpoint: str, tmp_path: Path) -> None:
-    """Point the standard AWS chain of this process (and its children) at ``endpoint``, and only there."""
+    """Point the standard AWS chain of this process (and its children) at ``endpoint``, and only there.
+
+    ``monkeypatch``: anything with ``setenv``/``delenv`` as pytest's has, which puts the environment back.
+    """
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3",
                  "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_CA_BUNDLE"):
         monkeypatch.delenv(name, raising=False)
@@ -126,16 +131,3 @@ def make_bucket(server: S3Server, name: str | None = None) -> Bucket:
     name = name or f"dash-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=name)
     return Bucket(server, name, client)
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3_bucket(s3_server, monkeypatch, tmp_path) -> Bucket:
-    use_endpoint(monkeypatch, s3_server.endpoint, tmp_path)
-    return make_bucket(s3_server)

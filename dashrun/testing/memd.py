@@ -1,0 +1,92 @@
+"""A real dash-memd on a free loopback port, started and stopped by the test or script that made it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dashrun.errors import UnavailableError
+from dashrun.util import daemon
+from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.operator import write_key_pair
+from dashrun.wire.tls import TlsSettings
+
+__all__ = ["Memd", "dashrun_cmd"]
+
+
+class Memd:
+    """A dash-memd process; :meth:`start` returns once it serves, :meth:`stop` or :meth:`kill` ends it.
+
+    A failed start raises AssertionError with the end of its log, so that a test shows why.
+    """
+
+    def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path):
+        self.data_dir, self.token_file, self.extra, self.log_path = data_dir, token_file, extra, log_path
+        self.proc: subprocess.Popen | None = None
+        self.host, self.port = "127.0.0.1", 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def token(self) -> bytes:
+        return self.token_file.read_bytes().strip()
+
+    @property
+    def operator_key(self) -> Path:
+        """The operator's private key of this cluster (made beside the token file the first time it is asked
+        for); its public key is :attr:`operator_pubkey`."""
+        key = self.token_file.with_name(self.token_file.name + ".operator")
+        if not key.exists():
+            write_key_pair(key)
+        return key
+
+    @property
+    def operator_pubkey(self) -> Path:
+        return self.operator_key.with_name(self.operator_key.name + ".pub")
+
+    def start(self, port: int | None = None) -> Memd:
+        """Start it (again, on its previous port unless ``port`` says another; 0 is any free one)."""
+        ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
+        listen = f"127.0.0.1:{self.port if port is None else port}"
+        try:
+            self.proc = daemon.start(
+                [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
+                 "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra],
+                ready=daemon.file_written(ready), what="dash-memd", log=self.log_path, timeout=30)
+        except UnavailableError as e:
+            raise AssertionError(f"{e}: {self.log()[-2000:]}") from None
+        self.host, port = ready.read_text().strip().rsplit(":", 1)
+        self.port = int(port)
+        ready.unlink()
+        return self
+
+    @property
+    def tls_args(self) -> list[str]:
+        """The options a client of this dash-memd needs: --no-tls if it was started with it."""
+        return ["--no-tls"] if "--no-tls" in self.extra else []
+
+    def client(self, **kwargs) -> MemdClient:
+        kwargs.setdefault("tls", TlsSettings(plaintext=bool(self.tls_args)))
+        return MemdClient(self.host, self.port, self.token, **kwargs)
+
+    def stop(self) -> int | None:
+        return daemon.stop(self.proc, timeout=30) if self.proc is not None else None
+
+    def kill(self) -> None:
+        daemon.stop(self.proc, timeout=0)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def dashrun_cmd(memd: Memd, *args: str, job: str, nproc: int = 2) -> list[str]:
+    """A launch as the operator runs it: with the cluster's token and the key that signs its launch spec."""
+    key = getattr(memd, "operator_key", None)  # a relay in front of dash-memd stands in for it, keyless
+    return [sys.executable, "-m", "dashrun", "--memd", memd.address, "--token-file", str(memd.token_file),
+            *(["--operator-key", str(key)] if key else []), *memd.tls_args, "--job-id", job,
+            "--nproc-per-node", str(nproc), *args]

@@ -1,0 +1,115 @@
+"""The harness works, and it can fail: the leak check catches and names what a test leaves running, wait_for
+fails at its deadline, kill_tree reaches grandchildren, dash-memd starts and stops."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dashrun.testing import leaks
+from dashrun.testing.memd import Memd
+from dashrun.testing.processes import Processes, WaitTimeout, kill_tree, wait_for
+from dashrun.util.tokens import write_token
+
+#: A shell that starts a grandchild and prints its pid, then waits for it.
+GRANDCHILD = "sleep 3131 & echo $!; wait"
+
+def test_the_leak_check_names_and_kills_a_leaked_child():
+    with leaks.tagged() as watch:
+        leaked = subprocess.Popen(["sleep", "3030"])
+    with pytest.raises(leaks.Leaked, match=r"sleep 3030") as caught:
+        leaks.check(watch, deadline=0.5)
+    assert f"pid {leaked.pid}" in str(caught.value)
+    assert leaked.wait(timeout=10) == -9  # killed by the check, and its exit code left to its Popen
+    leaks.check(watch, deadline=0.5)  # nothing left
+
+
+def test_the_leak_check_finds_a_process_that_left_the_tree():
+    with leaks.tagged() as watch:
+        subprocess.run([sys.executable, "-c", "import os, subprocess, sys\n"
+                        "if os.fork() == 0:\n    os.setsid()\n    subprocess.Popen(['sleep', '3232'])\n"
+                        "    os._exit(0)\nos.wait()"], check=True, timeout=30)
+        orphans = wait_for(lambda: [p for p in psutil.process_iter(["cmdline"])
+                                    if p.info["cmdline"] == ["sleep", "3232"]], 10, "the double-forked sleep")
+    assert all(p.ppid() != os.getpid() for p in orphans)  # out of this process's tree
+    assert not any(p.pid == orphans[0].pid for p in psutil.Process().children(recursive=True))
+    with pytest.raises(leaks.Leaked, match=r"sleep 3232"):
+        leaks.check(watch, deadline=0.5)
+    assert not psutil.pid_exists(orphans[0].pid) or orphans[0].status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_leak_check_waits_for_a_process_that_is_ending():
+    with leaks.tagged() as watch:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    started = time.monotonic()
+    leaks.check(watch, deadline=20)
+    assert time.monotonic() - started < 15
+
+
+def test_the_leak_check_spares_exempt_and_kept_processes():
+    with leaks.tagged() as watch:
+        kept = subprocess.Popen(["sleep", "3333"])
+        exempted = subprocess.Popen(["sleep", "3434"])
+    leaks.exempt(exempted.pid)
+    try:
+        leaks.check(watch, deadline=0.2, keep=[kept.pid])
+        assert kept.poll() is None and exempted.poll() is None
+    finally:
+        for proc in (kept, exempted):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_tag_is_put_back_after_its_block():
+    before = os.environ.get(leaks.TAG)
+    with leaks.tagged("inner") as watch:
+        assert os.environ[leaks.TAG] == watch.tag == "inner"
+        assert leaks.TAG not in leaks.untagged_env()
+    assert os.environ.get(leaks.TAG) == before
+
+
+def test_wait_for_fails_at_its_deadline_with_what_it_waited_for():
+    started = time.monotonic()
+    with pytest.raises(WaitTimeout, match="the moon to turn blue"):
+        wait_for(lambda: False, 0.3, "the moon to turn blue")
+    assert 0.3 <= time.monotonic() - started < 5
+    assert isinstance(WaitTimeout(), AssertionError)  # a test shows it as its failure
+    assert wait_for(lambda: 42, 1, "an answer") == 42
+
+
+def test_kill_tree_kills_grandchildren():
+    shell = subprocess.Popen(["sh", "-c", GRANDCHILD], stdout=subprocess.PIPE, text=True)
+    grandchild = psutil.Process(int(shell.stdout.readline()))
+    kill_tree(shell)
+    shell.stdout.close()
+    assert shell.returncode == -9
+    assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
+
+
+def test_processes_stops_everything_it_started(tmp_path):
+    with Processes() as procs:
+        a = procs.start("a", ["sleep", "3535"])
+        b = procs.start("b", ["sh", "-c", GRANDCHILD], stdout=subprocess.PIPE, log=tmp_path / "b.log", text=True)
+        grandchild = psutil.Process(int(b.stdout.readline()))  # started, so stop_all must find it
+    b.stdout.close()
+    assert a.returncode is not None and b.returncode is not None
+    assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
+    assert procs.procs == []
+
+
+def test_memd_starts_serves_and_stops(tmp_path):
+    write_token(tmp_path / "token")
+    memd = Memd(tmp_path / "data", tmp_path / "token", "--memory-limit", "64MiB", log_path=tmp_path / "memd.log")
+    memd.start(port=0)
+    try:
+        assert memd.port > 0 and memd.proc.poll() is None
+        with memd.client() as client:
+            assert client.latest("nobody") is None
+    finally:
+        assert memd.stop() == 0
+    assert memd.proc.poll() == 0

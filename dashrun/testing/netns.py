@@ -107,6 +107,14 @@ class Node:
                             "latency", "1s"], capture_output=True, text=True, check=True, timeout=30)
 
 
+def _subnet_index() -> int:
+    """Which /24 of the test range this process takes: by pid, and by pytest-xdist worker so that
+    two workers of one run (``gw0``, ``gw1``) never share a subnet whatever their pids are."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    parity = int(worker) % 2 if worker.isdigit() else 0
+    return (os.getpid() % 128) * 2 + parity
+
+
 class Fleet:
     """``count`` nodes, each in its own network namespace, on one bridge in the root namespace."""
 
@@ -116,7 +124,7 @@ class Fleet:
         tag = os.getpid() % 100000
         self.prefix = f"dt{tag}"  # interface names stay under Linux's 15 characters
         self.bridge = f"{self.prefix}br"
-        self.subnet = list(TEST_RANGE.subnets(new_prefix=24))[os.getpid() % 256]
+        self.subnet = list(TEST_RANGE.subnets(new_prefix=24))[_subnet_index()]
         self.host_address = str(self.subnet[1])
         self.nodes = [Node(self, i) for i in range(count)]
 

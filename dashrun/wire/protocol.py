@@ -114,6 +114,10 @@ class Kind(enum.IntEnum):
     STORE_NUM_KEYS = 55
     STORE_DELETE_PREFIX = 56
     RESHAPE = 35        # the world changes at a checkpoint (a node joins): launcher -> agent, pushed on to ranks
+    # dash-agent <-> dash-agent (the peer link), and what each agent holds, told to dash-memd
+    REPLICA_PUT = 64    # a copy of a shard of the sender's node (bytes as data), answered OK once its CRC-32C matches
+    REPLICA_GET = 65    # a byte range of a shard the peer holds
+    HOLDINGS = 66       # agent -> dash-memd: where this node's agent listens, its failure domain, what it holds
 
 
 @dataclasses.dataclass(frozen=True)

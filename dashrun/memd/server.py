@@ -34,6 +34,7 @@ from dashrun.wire import blocks
 from dashrun.wire.auth import server_handshake
 from dashrun.wire.blocks import Marks
 from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.holdings import holders_to_body
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import (
     MAX_BODY,
@@ -373,7 +374,11 @@ class MemdServer:
     def _latest(self, ch: Channel, frame: Frame) -> None:
         step = field_step(frame.body) if frame.body.get("step") is not None else None
         info = self.catalogue.latest(field_job(frame.body), step)
-        ch.send(Kind.OK, {"checkpoint": info.to_body() if info else None})
+        if info is None:
+            ch.send(Kind.OK, {"checkpoint": None})
+            return
+        # The nodes holding each shard in their own RAM: a restore reads from them first (docs/replicas.md).
+        ch.send(Kind.OK, {"checkpoint": info.to_body(), "holders": holders_to_body(self.fleet.holdings.holders(info))})
 
     def _get_shard(self, ch: Channel, frame: Frame) -> None:
         body = frame.body

@@ -22,6 +22,7 @@ from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.holdings import MAX_MEMBERS, Holder, Holdings, Member, NodeView, holders_from_body
 from dashrun.wire.messages import (
     MAX_RDZV_STATE,
     MAX_RDZV_WAIT,
@@ -149,6 +150,25 @@ class MemdClient:
         if not isinstance(raw, dict):
             raise ProtocolError("malformed LATEST reply")
         return CheckpointInfo.from_body(raw)
+
+    def latest_held(self, job: str, step: int | None = None) -> tuple[CheckpointInfo | None, dict[int, list[Holder]]]:
+        """:meth:`latest`, and the nodes that hold each saved rank's shard of it in their own RAM."""
+        body = self._request(lambda ch: ch.call(Kind.LATEST, {"job": job, "step": step}).body)
+        raw = body.get("checkpoint")
+        if raw is None:
+            return None, {}
+        if not isinstance(raw, dict):
+            raise ProtocolError("malformed LATEST reply")
+        info = CheckpointInfo.from_body(raw)
+        return info, holders_from_body(body.get("holders"), info.world)
+
+    def announce(self, holdings: Holdings) -> list[Member]:
+        """Tell dash-memd what this node holds and where its agent listens; returns the job's other members."""
+        body = self._request(lambda ch: ch.call(Kind.HOLDINGS, holdings.to_body()).body)
+        raw = body.get("members")
+        if not isinstance(raw, list) or len(raw) > MAX_MEMBERS:
+            raise ProtocolError("malformed HOLDINGS reply")
+        return [Member.from_body(member) for member in raw]
 
     def get_shard_into(self, job: str, step: int, rank: int, views: Sequence[memoryview], *,
                        offset: int | None = None, committed_at: float | None = None, verify: bool = False) -> int:
@@ -311,12 +331,19 @@ class MemdClient:
 
     def membership_view(self, job: str) -> tuple[list[MembershipEvent], int | None]:
         """:meth:`membership` and :meth:`live_members` in one request."""
+        events, live, _ = self.fleet_view(job)
+        return events, live
+
+    def fleet_view(self, job: str) -> tuple[list[MembershipEvent], int | None, list[NodeView]]:
+        """:meth:`membership_view`, and what each node holds in its own RAM (from its newest announcement)."""
         body = self._request(lambda ch: ch.call(Kind.MEMBERSHIP, {"job": job}).body)
-        raw, live = body.get("events"), body.get("live")
+        raw, live, held = body.get("events"), body.get("live"), body.get("holdings", [])
         if not isinstance(raw, list) or (live is not None and (not isinstance(live, int) or isinstance(live, bool)
                                                                or live < 0)):
             raise ProtocolError("malformed MEMBERSHIP reply")
-        return [MembershipEvent.from_body(event) for event in raw], live
+        if not isinstance(held, list) or len(held) > MAX_MEMBERS:
+            raise ProtocolError("malformed MEMBERSHIP reply: its holdings")
+        return [MembershipEvent.from_body(event) for event in raw], live, [NodeView.from_body(n) for n in held]
 
     # --- the job's key/value store ---------------------------------------------------------------
 

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Callable
 
 from dashrun.errors import ConflictError, ProtocolError
+from dashrun.memd.fleet.holdings import Registry
 from dashrun.memd.fleet.kvstore import KeyValueStore
 from dashrun.memd.fleet.membership import MEMBERSHIP, Membership
 from dashrun.memd.fleet.rendezvous import RENDEZVOUS, RendezvousStates
 from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.holdings import Holdings
 from dashrun.wire.messages import MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, MembershipEvent
 from dashrun.wire.protocol import (
     MAX_BODY,
@@ -43,6 +45,8 @@ __all__ = ["MAX_MEMBERSHIP_REPLY", "FleetRequests"]
 
 #: Most bytes of membership events one MEMBERSHIP reply carries (the newest that fit; typically all 1000).
 MAX_MEMBERSHIP_REPLY = MAX_BODY // 2
+#: Most bytes of the nodes' holdings it carries besides (the first nodes, by name, that fit).
+MAX_HOLDINGS_REPLY = MAX_BODY // 4
 
 
 class FleetRequests:
@@ -52,6 +56,7 @@ class FleetRequests:
         self.rendezvous = RendezvousStates(data_dir / RENDEZVOUS)
         self.membership = Membership(data_dir / MEMBERSHIP)
         self.store = KeyValueStore()
+        self.holdings = Registry()
 
     def load(self) -> None:
         """Read what an earlier dash-memd left in the data dir (which the caller holds locked)."""
@@ -79,6 +84,7 @@ class FleetRequests:
         self.rendezvous.delete_job(job)
         self.membership.delete_job(job)
         self.store.delete_job(job)
+        self.holdings.delete_job(job)
 
     def handlers(self) -> dict[Kind, Callable[[Channel, Frame], None]]:
         return {
@@ -87,6 +93,7 @@ class FleetRequests:
             Kind.GENERATION: self._generation,
             Kind.MEMBER_EVENT: self._member_event,
             Kind.MEMBERSHIP: self._membership,
+            Kind.HOLDINGS: self._holdings,
             Kind.STORE_SET: self._store_set,
             Kind.STORE_GET: self._store_get,
             Kind.STORE_ADD: self._store_add,
@@ -125,8 +132,11 @@ class FleetRequests:
         ch.send(Kind.OK, {"generation": self.membership.raise_generation(job, generation)})
 
     def _member_event(self, ch: Channel, frame: Frame) -> None:
-        event = frame.body.get("event")
-        self.membership.record(field_job(frame.body), MembershipEvent.from_body(event))
+        event = MembershipEvent.from_body(frame.body.get("event"))
+        job = field_job(frame.body)
+        self.membership.record(job, event)
+        if event.change in ("left", "died"):
+            self.holdings.forget(job, event.node)
         ch.send(Kind.OK)
 
     def _membership(self, ch: Channel, frame: Frame) -> None:
@@ -140,7 +150,12 @@ class FleetRequests:
                 break
             events.append(encoded)
         ch.send(Kind.OK, {"events": events[::-1], "omitted": len(history) - len(events),
-                          "generation": self.membership.generation(job), "live": self.live_members(job)})
+                          "generation": self.membership.generation(job), "live": self.live_members(job),
+                          "holdings": _first_that_fit(self.holdings.view(job), MAX_HOLDINGS_REPLY)})
+
+    def _holdings(self, ch: Channel, frame: Frame) -> None:
+        members = self.holdings.announce(Holdings.from_body(frame.body))
+        ch.send(Kind.OK, {"members": [member.to_body() for member in members]})
 
     def live_members(self, job: str) -> int | None:
         """How many members of ``job``'s rendezvous heartbeat now; None where it has no rendezvous of dashrun's
@@ -200,6 +215,17 @@ class FleetRequests:
     def _store_delete_prefix(self, ch: Channel, frame: Frame) -> None:
         count = self.store.delete_prefix(field_job(frame.body), field_str(frame.body, "prefix", MAX_BODY))
         ch.send(Kind.OK, {"deleted": count})
+
+
+def _first_that_fit(items: list, most: int) -> list:
+    """The first of ``items`` whose JSON takes at most ``most`` bytes together."""
+    kept, size = [], 0
+    for item in items:
+        size += len(encode_body(item)) + 1
+        if size > most:
+            break
+        kept.append(item)
+    return kept
 
 
 def _field_keys(body: dict) -> list[str]:

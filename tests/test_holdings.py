@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -161,3 +164,8 @@ def test_dash_memd_names_the_holders_of_the_checkpoint_a_restore_asks_for(memd):
         operator.record_membership(job, MembershipEvent(0.0, "node-a", "died", "gone", 1, 1))
         assert a.latest_held(job)[1] == {0: [Holder("node-b", "127.0.0.1", 7002)],
                                          1: [Holder("node-b", "127.0.0.1", 7002)]}
+        status = subprocess.run([sys.executable, "-m", "dashrun", "status", job, "--memd", memd.address,
+                                 "--token-file", str(memd.token_file)], capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert re.search(r"^  step 4: dash-memd \((disk, )?ram\), node-b$", status.stdout, re.M), status.stdout
+        assert "node-b  z2/p (spot)  replicas 1  holds node-a's (step 4)" in status.stdout

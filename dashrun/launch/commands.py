@@ -14,6 +14,7 @@ dash-memd, prints, and lets :mod:`dashrun.util.console` render errors;
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -37,6 +38,7 @@ from dashrun.launch.private_memd import PrivateMemd, resumed_home
 from dashrun.util.tokens import read_token
 from dashrun.util.units import format_size
 from dashrun.version import __version__
+from dashrun.wire.holdings import NodeView
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import MembershipEvent
 from dashrun.wire.operator import SeenSpecs, load_public_key
@@ -176,17 +178,20 @@ def _with_state(entry: dict, events: list[MembershipEvent], live: int | None) ->
 def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool, wide: bool) -> None:
     """``dashrun status JOB``: the job's line of the table, then its membership history."""
     entry = next((j for j in listing.get("jobs", []) if j["job"] == job), None)
-    events, live = client.membership_view(job)
+    events, live, held = client.fleet_view(job)
     generation = client.generation(job)
     if entry is None and not events and not generation:
         raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
     entry = _with_state(entry or {"job": job, "checkpoints": []}, events, live)
     if as_json:
-        _print_json({**entry, "generation": generation, "membership": [event.to_body() for event in events]})
+        _print_json({**entry, "generation": generation, "membership": [event.to_body() for event in events],
+                     "holdings": [dataclasses.asdict(node) for node in held]})
         return
     _print_jobs([entry], wide)
     if not entry.get("newest"):
         click.echo(f"{job}: no checkpoints")
+    for line in _holdings_lines(job, entry, held):
+        click.echo(line)
     if not events:
         click.echo(f"{job}: no membership changes recorded")
         return
@@ -235,6 +240,35 @@ def status(job, memd, token_file, json, wide) -> None:  # noqa: A002 (the name m
     if listing.get("jobs_left"):
         console.print(f"... and {listing['jobs_left']} more jobs, not shown (dashrun status JOB shows one)",
                       highlight=False)
+
+
+def _domain_text(domain: dict | None) -> str:
+    if not domain:
+        return "domain unknown"
+    text = "/".join(part for part in (domain.get("zone"), domain.get("pool")) if part) or "domain unknown"
+    return text + (f" ({domain['market']})" if domain.get("market") else "")
+
+
+def _holdings_lines(job: str, entry: dict, held: list[NodeView]) -> list[str]:
+    """Where the job's newest steps are held: dash-memd's tiers and the nodes' own RAM (docs/replicas.md), then
+    each node's failure domain and whose shards it keeps copies of."""
+    if not held:
+        return []
+    tiers = {c["step"]: c.get("tiers", []) for c in entry.get("checkpoints", []) if isinstance(c, dict)}
+    steps = sorted({step for node in held for step in node.steps} | set(tiers), reverse=True)[:3]
+    lines = [f"{job}: where its newest steps are held:"]
+    for step in steps:
+        holders = [node.node for node in held if step in node.steps]
+        places = ([f"dash-memd ({', '.join(tiers[step])})"] if tiers.get(step) else []) + holders
+        lines.append(f"  step {step}: {', '.join(places) or 'nowhere yet'}")
+    lines.append(f"{job}: nodes, their failure domains, and whose shards they hold:")
+    for node in held:
+        newest = max(node.steps, default=None)
+        owners = node.steps.get(newest, []) if newest is not None else []
+        whose = ", ".join("its own" if owner == node.node else f"{owner}'s" for owner in owners) or "nothing"
+        lines.append(f"  {node.node}  {_domain_text(node.domain)}  replicas {node.replicas}  holds {whose}"
+                     + (f" (step {newest})" if newest is not None else ""))
+    return lines
 
 
 def _nodes(job: dict) -> str:

@@ -48,9 +48,9 @@ class Clock:
         return self.now
 
 
-def announcement(job, node, port, held, owner=None, domain=None, replicas=1) -> Holdings:
+def announcement(job, node, port, held, owner=None, domain=None, replicas=1, committed=False) -> Holdings:
     return Holdings(job, node, "127.0.0.1", port, replicas, domain,
-                    tuple(HeldShard(h, owner or node, committed=True) for h in held))
+                    tuple(HeldShard(h, owner or node, committed) for h in held))
 
 
 def test_holders_are_the_nodes_with_the_same_bytes_and_an_announcement_expires():
@@ -59,7 +59,8 @@ def test_holders_are_the_nodes_with_the_same_bytes_and_an_announcement_expires()
     made = shards("j", 5)
     info = info_of("j", 5, made)
     (h0, _), (h1, _) = made
-    assert registry.announce(announcement("j", "a", 7001, [h0], domain={"zone": "z1", "pool": "p", "market": ""})) == []
+    assert registry.announce(announcement("j", "a", 7001, [h0], domain={"zone": "z1", "pool": "p", "market": ""})) \
+        == []
     others = registry.announce(announcement("j", "b", 7002, [h1, h0], owner="a"))
     assert others == [Member("a", "127.0.0.1", 7001, {"zone": "z1", "pool": "p", "market": ""})]
     stale = dataclasses.replace(h1, crc=h1.crc ^ 1)  # other bytes of the same rank: not a holder of these
@@ -141,31 +142,106 @@ def test_holders_in_a_reply_are_checked():
 def test_dash_memd_names_the_holders_of_the_checkpoint_a_restore_asks_for(memd):
     job = "held"
     made = shards(job, 4)
-    credential = Credential(memd.token).for_job(job)
-    as_job = credential.file_bytes().strip()
+    as_job = Credential(memd.token).for_job(job).file_bytes().strip()
     with memd.client() as operator, MemdClient(memd.host, memd.port, as_job, tls=TlsSettings()) as a, \
             MemdClient(memd.host, memd.port, as_job, tls=TlsSettings()) as b:
         for header, payload in made:
             operator.put_shard(header, [payload])
-        assert a.announce(announcement(job, "node-a", 7001, [made[0][0]])) == []
-        members = b.announce(announcement(job, "node-b", 7002, [made[1][0], made[0][0]], owner="node-a",
-                                          domain={"zone": "z2", "pool": "p", "market": "spot"}))
-        assert [m.node for m in members] == ["node-a"]
-        info, holders = a.latest_held(job)
-        assert info.step == 4
-        assert holders == {0: [Holder("node-a", "127.0.0.1", 7001), Holder("node-b", "127.0.0.1", 7002)],
-                           1: [Holder("node-b", "127.0.0.1", 7002)]}
-        assert operator.latest(job) == info  # a client that asks LATEST as before gets the checkpoint alone
+        assert a.announce(announcement(job, "node-a", 7001, [made[0][0]])).members == []
+        answer = b.announce(announcement(job, "node-b", 7002, [made[1][0], made[0][0]], owner="node-a",
+                                         domain={"zone": "z2", "pool": "p", "market": "spot"}))
+        assert [m.node for m in answer.members] == ["node-a"] and answer.committed == 4
+        located = a.locate(job)
+        assert located.info.step == 4 and located.in_memd
+        assert located.holders == {0: [Holder("node-a", "127.0.0.1", 7001), Holder("node-b", "127.0.0.1", 7002)],
+                                   1: [Holder("node-b", "127.0.0.1", 7002)]}
+        assert operator.latest(job) == located.info  # a client that asks LATEST as before gets the checkpoint alone
         _, _, view = operator.fleet_view(job)
         assert [(n.node, n.steps, n.domain) for n in view] == [
             ("node-a", {4: ["node-a"]}, None), ("node-b", {4: ["node-a"]}, {"zone": "z2", "pool": "p", "market": "spot"})]
         with pytest.raises(ForbiddenError):  # a job's credential announces for its own job only
             a.announce(announcement("other", "node-a", 7001, []))
         operator.record_membership(job, MembershipEvent(0.0, "node-a", "died", "gone", 1, 1))
-        assert a.latest_held(job)[1] == {0: [Holder("node-b", "127.0.0.1", 7002)],
+        assert a.locate(job).holders == {0: [Holder("node-b", "127.0.0.1", 7002)],
                                          1: [Holder("node-b", "127.0.0.1", 7002)]}
         status = subprocess.run([sys.executable, "-m", "dashrun", "status", job, "--memd", memd.address,
                                  "--token-file", str(memd.token_file)], capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stderr
         assert re.search(r"^  step 4: dash-memd \((disk, )?ram\), node-b$", status.stdout, re.M), status.stdout
         assert "node-b  z2/p (spot)  replicas 1  holds node-a's (step 4)" in status.stdout
+
+
+# --- the commit on the fleet ------------------------------------------------------------------
+
+
+def both_hold_both(registry, job, made, replicas=1, committed=False, nodes=("a", "b")):
+    """Each of ``nodes`` holds every shard of ``made`` (its own and copies of the others')."""
+    for i, node in enumerate(nodes):
+        registry.announce(Holdings(job, node, "127.0.0.1", 7001 + i, replicas, None, tuple(
+            HeldShard(h, nodes[h.rank % len(nodes)], committed) for h, _ in made)))
+
+
+def test_a_step_held_by_r_plus_1_nodes_is_committed_and_stays_so_when_a_holder_goes():
+    registry = Registry()
+    made = shards("j", 7)
+    registry.announce(announcement("j", "a", 7001, [made[0][0]], replicas=1))
+    registry.announce(announcement("j", "b", 7002, [made[1][0], made[0][0]], owner="a", replicas=1))
+    assert registry.committed("j") is None  # rank 1's shard is on one node only
+    registry.announce(announcement("j", "a", 7001, [made[0][0], made[1][0]], replicas=1))
+    info = registry.committed("j")
+    assert (info.step, info.world, [s.crc for s in info.shards]) == (7, 2, [h.crc for h, _ in made])
+    registry.forget("j", "b")
+    assert registry.committed("j") == info and registry.committed("j", 7) == info
+    assert registry.committed("j", 6) is None
+    registry.delete_steps("j", [7])
+    assert registry.committed("j") is None
+
+
+def test_no_commit_rests_on_one_node_alone_or_on_an_older_world():
+    registry = Registry()
+    made = shards("j", 3)
+    both_hold_both(registry, "j", made, replicas=0)  # no replicas: each node's copies are its own business
+    assert registry.committed("j") is None
+    registry = Registry()
+    both_hold_both(registry, "j", made, replicas=1)
+    assert registry.committed("j", generation=1) is None  # shards of world 0, and the job is in world 1 now
+    assert registry.committed("j", generation=0).step == 3
+
+
+def test_after_a_restart_a_step_its_holders_know_committed_is_committed_again():
+    made = shards("j", 9)
+    registry = Registry()  # dash-memd restarted: it remembers nothing
+    registry.announce(announcement("j", "b", 7002, [h for h, _ in made], owner="a", replicas=1, committed=True))
+    assert registry.committed("j").step == 9  # one holder, which knows the step committed (announcement's flag)
+    registry = Registry()
+    both_hold_both(registry, "j", made[:1], replicas=1, committed=True)
+    assert registry.committed("j") is None  # rank 1's shard is nowhere: not a checkpoint
+
+
+def test_shards_that_do_not_make_one_checkpoint_commit_nothing():
+    registry = Registry()
+    made = shards("j", 2)
+    other_layout = dataclasses.replace(made[1][0], layout="cd" * 32)
+    both_hold_both(registry, "j", [made[0], (other_layout, b"")], replicas=1)
+    assert registry.committed("j") is None
+
+
+def test_dash_memd_answers_a_step_committed_on_the_fleet_that_it_does_not_hold(memd):
+    job = "onfleet"
+    made = shards(job, 12)
+    as_job = Credential(memd.token).for_job(job).file_bytes().strip()
+    with MemdClient(memd.host, memd.port, as_job, tls=TlsSettings()) as client:
+        assert client.locate(job) is None
+        for i, node in enumerate(("a", "b")):
+            answer = client.announce(Holdings(job, node, "127.0.0.1", 7001 + i, 1, None,
+                                              tuple(HeldShard(h, "ab"[h.rank]) for h, _ in made)))
+        assert answer.committed == 12
+        located = client.locate(job)
+        assert (located.info.step, located.in_memd) == (12, False)
+        assert located.holders[1] == [Holder("a", "127.0.0.1", 7001), Holder("b", "127.0.0.1", 7002)]
+        for header, payload in made[:1]:  # dash-memd catching up: one shard of two is no checkpoint of its own
+            client.put_shard(header, [payload])
+        assert client.locate(job).in_memd is False
+        client.put_shard(*[made[1][0], [made[1][1]]])
+        located = client.locate(job)
+        assert (located.info.step, located.in_memd) == (12, True)

@@ -32,13 +32,13 @@ from rich.table import Table
 from dashrun import env
 from dashrun.errors import NotFoundError, UsageError
 from dashrun.launch import dispatch
+from dashrun.launch.holdings_view import holdings_lines
 from dashrun.launch.jobstate import JobState, job_state, restarts, steps_per_second
 from dashrun.launch.options import memd_address, require_token_file
 from dashrun.launch.private_memd import PrivateMemd, resumed_home
 from dashrun.util.tokens import read_token
 from dashrun.util.units import format_size
 from dashrun.version import __version__
-from dashrun.wire.holdings import NodeView
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import MembershipEvent
 from dashrun.wire.operator import SeenSpecs, load_public_key
@@ -190,7 +190,7 @@ def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool, wide
     _print_jobs([entry], wide)
     if not entry.get("newest"):
         click.echo(f"{job}: no checkpoints")
-    for line in _holdings_lines(job, entry, held):
+    for line in holdings_lines(job, entry, held):
         click.echo(line)
     if not events:
         click.echo(f"{job}: no membership changes recorded")
@@ -240,35 +240,6 @@ def status(job, memd, token_file, json, wide) -> None:  # noqa: A002 (the name m
     if listing.get("jobs_left"):
         console.print(f"... and {listing['jobs_left']} more jobs, not shown (dashrun status JOB shows one)",
                       highlight=False)
-
-
-def _domain_text(domain: dict | None) -> str:
-    if not domain:
-        return "domain unknown"
-    text = "/".join(part for part in (domain.get("zone"), domain.get("pool")) if part) or "domain unknown"
-    return text + (f" ({domain['market']})" if domain.get("market") else "")
-
-
-def _holdings_lines(job: str, entry: dict, held: list[NodeView]) -> list[str]:
-    """Where the job's newest steps are held: dash-memd's tiers and the nodes' own RAM (docs/replicas.md), then
-    each node's failure domain and whose shards it keeps copies of."""
-    if not held:
-        return []
-    tiers = {c["step"]: c.get("tiers", []) for c in entry.get("checkpoints", []) if isinstance(c, dict)}
-    steps = sorted({step for node in held for step in node.steps} | set(tiers), reverse=True)[:3]
-    lines = [f"{job}: where its newest steps are held:"]
-    for step in steps:
-        holders = [node.node for node in held if step in node.steps]
-        places = ([f"dash-memd ({', '.join(tiers[step])})"] if tiers.get(step) else []) + holders
-        lines.append(f"  step {step}: {', '.join(places) or 'nowhere yet'}")
-    lines.append(f"{job}: nodes, their failure domains, and whose shards they hold:")
-    for node in held:
-        newest = max(node.steps, default=None)
-        owners = node.steps.get(newest, []) if newest is not None else []
-        whose = ", ".join("its own" if owner == node.node else f"{owner}'s" for owner in owners) or "nothing"
-        lines.append(f"  {node.node}  {_domain_text(node.domain)}  replicas {node.replicas}  holds {whose}"
-                     + (f" (step {newest})" if newest is not None else ""))
-    return lines
 
 
 def _nodes(job: dict) -> str:

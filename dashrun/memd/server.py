@@ -34,7 +34,6 @@ from dashrun.wire import blocks
 from dashrun.wire.auth import server_handshake
 from dashrun.wire.blocks import Marks
 from dashrun.wire.channel import Channel, Frame
-from dashrun.wire.holdings import holders_to_body
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import (
     MAX_BODY,
@@ -85,6 +84,7 @@ class MemdServer:
                                    keep_object=config.keep_object, upload_queue=config.upload_queue)
         self.fleet = FleetRequests(config.data_dir)
         self.catalogue.receiver.fence = self.fleet.membership.check_shard
+        self.fleet.catalogued = self.catalogue.latest
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._clients: set[socket.socket] = set()
@@ -373,12 +373,7 @@ class MemdServer:
 
     def _latest(self, ch: Channel, frame: Frame) -> None:
         step = field_step(frame.body) if frame.body.get("step") is not None else None
-        info = self.catalogue.latest(field_job(frame.body), step)
-        if info is None:
-            ch.send(Kind.OK, {"checkpoint": None})
-            return
-        # The nodes holding each shard in their own RAM: a restore reads from them first (docs/replicas.md).
-        ch.send(Kind.OK, {"checkpoint": info.to_body(), "holders": holders_to_body(self.fleet.holdings.holders(info))})
+        ch.send(Kind.OK, self.fleet.locate(field_job(frame.body), step))
 
     def _get_shard(self, ch: Channel, frame: Frame) -> None:
         body = frame.body
@@ -461,6 +456,8 @@ class MemdServer:
         deleted = self.catalogue.delete(job, keep)
         if keep == 0:  # the whole job: its fleet records go with its launch spec and notices
             self.fleet.delete_job(job)
+        else:
+            self.fleet.holdings.delete_steps(job, deleted)
         ch.send(Kind.OK, {"deleted": deleted})
 
     def _notice(self, ch: Channel, frame: Frame) -> None:

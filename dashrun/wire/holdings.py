@@ -20,10 +20,10 @@ import re
 from typing import Any, Mapping
 
 from dashrun.errors import ProtocolError
-from dashrun.wire.messages import ShardHeader
+from dashrun.wire.messages import CheckpointInfo, ShardHeader
 from dashrun.wire.protocol import MAX_WORLD, field_bool, field_int, field_job, field_str
 
-__all__ = ["ANNOUNCE_PERIOD", "HOLDINGS_TTL", "MAX_DOMAIN_TEXT", "MAX_HELD", "MAX_MEMBERS", "HeldShard", "Holder",
+__all__ = ["ANNOUNCE_PERIOD", "Announced", "Located", "HOLDINGS_TTL", "MAX_DOMAIN_TEXT", "MAX_HELD", "MAX_MEMBERS", "HeldShard", "Holder",
            "Holdings", "Member", "NodeView", "field_domain", "holders_from_body", "holders_to_body"]
 
 #: Seconds between a dash-agent's announcements of what it holds.
@@ -175,6 +175,24 @@ class NodeView:
                 raise ProtocolError("a node's holdings list, per step, the nodes whose shards it holds")
             steps[int(step)] = [_field_node({"owner": owner}, "owner") for owner in owners]
         return cls(_field_node(body), field_domain(body), field_int(body, "replicas", 0, MAX_WORLD), steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """A committed checkpoint and where it is: the nodes holding each saved rank's shard in their own RAM, and
+    whether dash-memd holds it whole (False: committed on the fleet, held by R+1 nodes, not by dash-memd yet)."""
+
+    info: CheckpointInfo
+    holders: dict[int, list[Holder]]
+    in_memd: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Announced:
+    """dash-memd's answer to an announcement: the job's other members, and its newest committed step."""
+
+    members: list[Member]
+    committed: int | None
 
 
 def holders_to_body(holders: Mapping[int, list[Holder]]) -> dict[str, list[list[Any]]]:

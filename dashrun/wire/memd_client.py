@@ -22,7 +22,7 @@ from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel, Frame
-from dashrun.wire.holdings import MAX_MEMBERS, Holder, Holdings, Member, NodeView, holders_from_body
+from dashrun.wire.holdings import MAX_MEMBERS, Announced, Holdings, Located, Member, NodeView, holders_from_body
 from dashrun.wire.messages import (
     MAX_RDZV_STATE,
     MAX_RDZV_WAIT,
@@ -35,7 +35,7 @@ from dashrun.wire.messages import (
     Notice,
     ShardHeader,
 )
-from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind, valid_job_id
+from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind, field_bool, field_step, valid_job_id
 from dashrun.wire.tls import TlsSettings, connect
 
 __all__ = ["LIST_MOST", "MemdClient", "StoreTimeoutError", "memd_from_env"]
@@ -151,24 +151,27 @@ class MemdClient:
             raise ProtocolError("malformed LATEST reply")
         return CheckpointInfo.from_body(raw)
 
-    def latest_held(self, job: str, step: int | None = None) -> tuple[CheckpointInfo | None, dict[int, list[Holder]]]:
-        """:meth:`latest`, and the nodes that hold each saved rank's shard of it in their own RAM."""
+    def locate(self, job: str, step: int | None = None) -> Located | None:
+        """:meth:`latest` (also a step committed on the fleet only), with the nodes that hold each saved rank's
+        shard of it in their own RAM and whether dash-memd holds it whole; None if the job has none."""
         body = self._request(lambda ch: ch.call(Kind.LATEST, {"job": job, "step": step}).body)
         raw = body.get("checkpoint")
         if raw is None:
-            return None, {}
+            return None
         if not isinstance(raw, dict):
             raise ProtocolError("malformed LATEST reply")
         info = CheckpointInfo.from_body(raw)
-        return info, holders_from_body(body.get("holders"), info.world)
+        return Located(info, holders_from_body(body.get("holders"), info.world),
+                       field_bool(body, "in_memd", default=True))
 
-    def announce(self, holdings: Holdings) -> list[Member]:
+    def announce(self, holdings: Holdings) -> Announced:
         """Tell dash-memd what this node holds and where its agent listens; returns the job's other members."""
         body = self._request(lambda ch: ch.call(Kind.HOLDINGS, holdings.to_body()).body)
         raw = body.get("members")
         if not isinstance(raw, list) or len(raw) > MAX_MEMBERS:
             raise ProtocolError("malformed HOLDINGS reply")
-        return [Member.from_body(member) for member in raw]
+        committed = None if body.get("committed") is None else field_step(body, "committed")
+        return Announced([Member.from_body(member) for member in raw], committed)
 
     def get_shard_into(self, job: str, step: int, rank: int, views: Sequence[memoryview], *,
                        offset: int | None = None, committed_at: float | None = None, verify: bool = False) -> int:

@@ -20,14 +20,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from dashrun.errors import ConflictError, ProtocolError
+from dashrun.errors import ConflictError, ProtocolError, UnavailableError
 from dashrun.memd.fleet.holdings import Registry
 from dashrun.memd.fleet.kvstore import KeyValueStore
 from dashrun.memd.fleet.membership import MEMBERSHIP, Membership
 from dashrun.memd.fleet.rendezvous import RENDEZVOUS, RendezvousStates
 from dashrun.wire.channel import Channel, Frame
-from dashrun.wire.holdings import Holdings
-from dashrun.wire.messages import MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, MembershipEvent
+from dashrun.wire.holdings import Holdings, holders_to_body
+from dashrun.wire.messages import MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, CheckpointInfo, MembershipEvent
 from dashrun.wire.protocol import (
     MAX_BODY,
     MAX_STEP,
@@ -57,6 +57,9 @@ class FleetRequests:
         self.membership = Membership(data_dir / MEMBERSHIP)
         self.store = KeyValueStore()
         self.holdings = Registry()
+        #: The catalogue's newest committed checkpoint of a job (or of a step), which the server sets: a LATEST
+        #: answer is the newer of it and the fleet's (:meth:`locate`).
+        self.catalogued: Callable[[str, int | None], CheckpointInfo | None] = lambda job, step=None: None
 
     def load(self) -> None:
         """Read what an earlier dash-memd left in the data dir (which the caller holds locked)."""
@@ -154,8 +157,33 @@ class FleetRequests:
                           "holdings": _first_that_fit(self.holdings.view(job), MAX_HOLDINGS_REPLY)})
 
     def _holdings(self, ch: Channel, frame: Frame) -> None:
-        members = self.holdings.announce(Holdings.from_body(frame.body))
-        ch.send(Kind.OK, {"members": [member.to_body() for member in members]})
+        holdings = Holdings.from_body(frame.body)
+        members = self.holdings.announce(holdings)
+        try:
+            newest = self.locate(holdings.job, None)["checkpoint"]
+        except UnavailableError:  # the bucket is not listed yet: the agent hears of the commit next time
+            newest = None
+        ch.send(Kind.OK, {"members": [member.to_body() for member in members],
+                          "committed": newest["step"] if newest else None})
+
+    def locate(self, job: str, step: int | None) -> dict:
+        """LATEST's answer: the newest committed checkpoint of ``job`` (or ``step``) — the catalogue's, or one
+        committed on the fleet (held by R+1 nodes) that dash-memd does not hold whole yet — whether dash-memd
+        holds it, and the nodes that hold each shard in their own RAM (a restore reads from them first)."""
+        fleet = self.holdings.committed(job, step, self.membership.generation(job))
+        try:
+            info = self.catalogued(job, step)
+        except UnavailableError:  # the bucket, not listed yet, may hold newer ones than the fleet's
+            if fleet is None:
+                raise
+            info = None
+        in_memd = info is not None and (fleet is None or info.step >= fleet.step)
+        if not in_memd:
+            info = fleet
+        if info is None:
+            return {"checkpoint": None}
+        return {"checkpoint": info.to_body(), "in_memd": in_memd,
+                "holders": holders_to_body(self.holdings.holders(info))}
 
     def live_members(self, job: str) -> int | None:
         """How many members of ``job``'s rendezvous heartbeat now; None where it has no rendezvous of dashrun's

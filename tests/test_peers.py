@@ -452,3 +452,62 @@ def test_shards_saved_on_one_node_are_held_by_its_peer_restored_from_it_and_from
         link.close()
     lines = [line for line in node_a.log().splitlines() if "fetched pj step 6" in line]
     assert f"({info.nbytes} bytes from this agent's store)" in lines[-1], lines[-1]
+
+
+# --- the sender of this node's replicas, and the agent's options ---------------------------------------
+
+
+def test_replicas_go_to_the_holders_named_and_a_holder_that_is_down_costs_only_itself(serving, credential):
+    from dashrun.agent.peers.replicas import Replicator
+
+    holder_store, holder = serving()
+    own = Store(16 * MiB)
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        down = ("down", "127.0.0.1", unused.getsockname()[1])  # nobody listens there
+    holders = [("me", "127.0.0.1", 1), down, ("up", *holder.address)]
+    sender = Replicator(own, "me", 2, lambda: holders,
+                        lambda host, port: PeerClient(host, port, credential, connect_timeout=2.0)).start()
+    try:
+        assert sender.chosen() == [down, ("up", *holder.address)]  # never itself
+        data = os.urandom(2 * MiB)
+        first = own.put(shard("pj", 1, 0, data), "me", [data])
+        own.committed("pj", 1)
+        sender.submit(first)
+        assert sender.wait_idle(30)
+        assert sender.sent == {"up": 1}
+        assert [(h.header.step, h.owner) for h in holder_store.holdings()] == [(1, "me")]
+        # The next step's replica says which step is committed: the holder lets the older one go.
+        second = own.put(shard("pj", 2, 0, data), "me", [data])
+        own.committed("pj", 2)
+        sender.submit(second)
+        assert sender.wait_idle(30)
+        assert [(h.header.step, h.committed) for h in holder_store.holdings()] == [(2, True)]
+        # A shard the store dropped before its turn is not sent.
+        sender.submit(first)
+        assert sender.wait_idle(30) and sender.sent == {"up": 2}
+    finally:
+        sender.stop()
+        own.close()
+
+
+def test_the_agent_keeps_no_shards_unless_asked_and_refuses_what_cannot_work(credential):
+    from dashrun.agent.config import DEFAULT_PEER_MEMORY, AgentConfig
+    from dashrun.errors import UsageError
+
+    base = {"memd_host": "127.0.0.1", "memd_port": 7070, "token": b"t" * 64}
+    assert AgentConfig(**base).store_limit == 0  # no replicas: nothing kept, nothing served (as before)
+    assert AgentConfig(**base, replicas=1).store_limit == DEFAULT_PEER_MEMORY
+    assert AgentConfig(**base, peer_memory_limit=MiB).store_limit == MiB  # its own snapshot alone
+    for bad in ({"replicas": -1}, {"peer_port": 70000}, {"peer_memory_limit": -1}):
+        with pytest.raises(UsageError):
+            AgentConfig(**base, **bad)
+    store = Store(MiB)
+    first = PeerServer(store, credential, "127.0.0.1", 0)
+    first.start()
+    try:
+        with pytest.raises(UsageError, match=r"cannot listen for its peers on 127\.0\.0\.1:\d+.*--peer-port"):
+            PeerServer(store, credential, "127.0.0.1", first.address[1]).start()
+    finally:
+        first.stop()
+        store.close()

@@ -40,8 +40,9 @@ class OwnCopy:
         self._thread: threading.Thread | None = None
         try:
             self._slot = store.reserve(header, owner)
-        except DashError as e:
-            problems.problem("store", e.code.value, "%s step %d, rank %d: this node's own copy is not kept: %s",
+        except (DashError, OSError) as e:  # no room, or no memory segment to be had now: the snapshot goes on
+            kind = e.code.value if isinstance(e, DashError) else type(e).__name__
+            problems.problem("store", kind, "%s step %d, rank %d: this node's own copy is not kept: %s",
                              header.job, header.step, header.rank, e)
             return
         self._thread = threading.Thread(target=self._copy, args=(self._slot.view, view, gate), name="agent-own-copy",

@@ -8,6 +8,7 @@ memfd segment laid out as :mod:`dashrun.wire.layout` says, and the node's
 other ranks are handed descriptors of the same segment; a rank whose private
 part is not in it yet has it fetched into place first. The only rank of a
 node may instead read the replicated state from dash-memd itself (``direct``),
+where dash-memd is its only holder (not this agent's store, not a peer),
 straight into the tensors it has (:mod:`dashrun.rank.direct`): the image then
 holds the tails alone, and no fresh memory the size of the state is written
 first. When the agent
@@ -239,6 +240,8 @@ class RestoreCache:
     def _get(self, info: CheckpointInfo, ranks: Collection[int] | None,
              ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease:
         job = info.job
+        # A rank reads the replicated state from dash-memd itself only where no faster holder has it.
+        direct = direct and not self._held_nearer(info)
         with self._lock:
             job_lock = self._fetching.setdefault(job, threading.Lock())
         with job_lock:
@@ -302,6 +305,15 @@ class RestoreCache:
         held.held.update(missing)
         log.info("fetched %s step %d (%s) in %.2fs", info.job, info.step,
                  ", ".join(f"{n} bytes from {source}" for source, n in served.items()), time.monotonic() - started)
+
+    def _held_nearer(self, info: CheckpointInfo) -> bool:
+        """Whether this agent's store or a peer holds the checkpoint's replicated state (dash-memd is not the only
+        holder: the node's image is filled from them, rather than a rank reading dash-memd directly)."""
+        slices = [shard for shard in info.shards if shard.rep_end > shard.rep_start]
+        if self.store is not None and all(self.store.holds(info.job, info.step, shard.rank, shard.crc)
+                                          for shard in slices):
+            return True
+        return self.holders is not None and self.peer_connect is not None and bool(self.holders(info))
 
     def _sources(self, image: RestoreImage) -> list[Source]:
         """Where a restore's bytes come from, fastest first: the image, this agent's store, peers, dash-memd."""

@@ -21,7 +21,7 @@ from dashrun.errors import ExitCode
 from dashrun.util.console import run_click, setup_logging
 from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token
-from dashrun.util.units import parse_address
+from dashrun.util.units import parse_address, parse_size
 from dashrun.version import __version__
 from dashrun.wire.tls import TlsSettings
 
@@ -68,10 +68,23 @@ log = logging.getLogger(PROGRAM)
 @click.option("--tls-fingerprint", envvar=env.TLS_FINGERPRINT.name, show_envvar=True, default=None,
               metavar="SHA256:...", help="Talk only to the dash-memd whose certificate has this SHA-256 ('dash-memd "
                                          "fingerprint' prints it); refuse any other before the login.")
+@click.option("--replicas", envvar=env.REPLICAS.name, show_envvar=True, type=click.IntRange(min=0), default=0,
+              show_default=True, help="Other nodes that keep a copy of this node's snapshot in their agent's memory "
+                                      "(this agent keeps theirs and its own).")
+@click.option("--peer-port", envvar=env.PEER_PORT.name, show_envvar=True, type=click.IntRange(0, 65535),
+              default=env.DEFAULT_PEER_PORT, show_default=True,
+              help="TCP port for the job's other agents (0: any free port), on the address this node reaches "
+                   "dash-memd from; with --replicas only.")
+@click.option("--peer-memory-limit", envvar=env.PEER_MEMORY_LIMIT.name, show_envvar=True, default=None,
+              metavar="SIZE", help="Memory for shards kept by this agent, like 8GiB (default: 8GiB with --replicas, "
+                                   "else 0: none kept).")
+@click.option("--peer", "peers", envvar=env.PEERS.name, show_envvar=True, multiple=True, metavar="HOST:PORT",
+              help="For tests: an agent this node's replicas go to (repeat it), in place of dash-memd's registry.")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
-        metadata_endpoint, poll_interval, no_prefetch, no_tls, tls_ca, tls_fingerprint, log_level) -> None:
+        metadata_endpoint, poll_interval, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas, peer_port,
+        peer_memory_limit, peers, log_level) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
@@ -79,8 +92,17 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          socket_path=Path(socket_path), listen_fd=listen_fd, memd_timeout=memd_timeout,
                          drain_timeout=drain_timeout, job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint,
                          poll_interval=poll_interval, parent_pid=parent_pid,
-                         tls=TlsSettings.from_options(no_tls, tls_ca, tls_fingerprint), prefetch=not no_prefetch)
+                         tls=TlsSettings.from_options(no_tls, tls_ca, tls_fingerprint), prefetch=not no_prefetch,
+                         replicas=replicas, peer_port=peer_port,
+                         peer_memory_limit=None if peer_memory_limit is None else parse_size(peer_memory_limit),
+                         peers=tuple(_peer(text) for text in peers))
     sys.exit(run(config))
+
+
+def _peer(text: str) -> tuple[str, str, int]:
+    """A ``--peer HOST:PORT``: the peer's node is named by its address."""
+    host, port = parse_address(text, default_port=env.DEFAULT_PEER_PORT, what="--peer")
+    return f"{host}:{port}", host, port
 
 
 def run(config: AgentConfig) -> int:

@@ -7,11 +7,15 @@ import os
 import socket
 from pathlib import Path
 
-from dashrun.env import PreemptionRecord
+from dashrun.env import DEFAULT_PEER_PORT, PreemptionRecord
+from dashrun.errors import UsageError
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.tls import TlsSettings
 
-__all__ = ["AgentConfig"]
+__all__ = ["DEFAULT_PEER_MEMORY", "AgentConfig"]
+
+#: Bytes of shards an agent keeps in its own memory when it keeps replicas and is not told how many.
+DEFAULT_PEER_MEMORY = 8 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,31 @@ class AgentConfig:
     parent_pid: int | None = None
     #: TLS to dash-memd (or plaintext with --no-tls), and a CA to verify it with
     tls: TlsSettings = TlsSettings()
+    #: other nodes that keep a copy of this node's snapshot (and whose copies this one keeps)
+    replicas: int = 0
+    #: TCP port of the peer link (0: any free port); the agent listens with a job and replicas only
+    peer_port: int = DEFAULT_PEER_PORT
+    #: address the peer link listens on (None: the one this node's connections to dash-memd go out from)
+    peer_host: str | None = None
+    #: bytes of shards kept in the agent's memory (None: DEFAULT_PEER_MEMORY with replicas, else 0: none kept)
+    peer_memory_limit: int | None = None
+    #: (node, host, port) of the agents this node's replicas go to, given by hand (tests: --peer)
+    peers: tuple[tuple[str, str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise UsageError(f"--replicas {self.replicas} is negative", hint="give 0 (no copies) or more")
+        if not 0 <= self.peer_port <= 65535:
+            raise UsageError(f"--peer-port {self.peer_port} is not a TCP port", hint="give 0..65535 (0: any free)")
+        if self.peer_memory_limit is not None and self.peer_memory_limit < 0:
+            raise UsageError("--peer-memory-limit is negative")
+
+    @property
+    def store_limit(self) -> int:
+        """Bytes the agent's store may hold (0: the agent keeps no shards of its own)."""
+        if self.peer_memory_limit is not None:
+            return self.peer_memory_limit
+        return DEFAULT_PEER_MEMORY if self.replicas > 0 else 0
 
     @property
     def preempted_file(self) -> Path:

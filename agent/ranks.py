@@ -90,6 +90,13 @@ class Agent(Protocol):
     def connection_finished(self, conn: RankConnection) -> None:
         """``conn`` is over (its rank gone, its shards delivered) and closed: forget it."""
 
+    def keep_own(self, staged: Staged) -> Any:
+        """Start copying ``staged`` into the agent's store, as it is staged (None: no store, or no room)."""
+
+    def own_kept(self, own: Any, crc: int | None, committed: bool) -> None:
+        """Wait for ``own`` (from :meth:`keep_own`; None: nothing) and keep it if its CRC-32C is ``crc`` (None:
+        unknown), its step ``committed`` or not; then its replicas go out, in the background."""
+
 
 @dataclasses.dataclass
 class Staged:
@@ -365,9 +372,13 @@ class RankConnection:
         client = self.agent.config.memd_client()
         try:
             while (staged := self._snapshots.get()) is not None:
+                # This node's own copy runs beside the stream to dash-memd, and ends before the rank hears
+                # anything: its buffer may change once it does.
+                own = self.agent.keep_own(staged)
                 try:
                     result = self._put_with_retry(client, staged)
                     reply = SnapshotReply(committed=bool(result.get("committed")), crc=result.get("crc"))
+                    self.agent.own_kept(own, reply.crc, reply.committed)
                     self.reply(staged.request_id, reply.to_body())
                     if staged.emergency:
                         self.agent.emergency_stored(staged.header)
@@ -376,9 +387,11 @@ class RankConnection:
                 except DashError as e:
                     if not staged.failed:
                         self.agent.report_failure(staged.header.job, e)
+                    self.agent.own_kept(own, staged.crc, False)  # kept by the rank's checksum (if it sent one)
                     self.reply_error(staged.request_id, e)
                 except Exception as e:  # a bug costs this shard, not the shards queued behind it
                     log.exception("%s: delivering step %d failed", self.who, staged.header.step)
+                    self.agent.own_kept(own, staged.crc, False)  # (once: a second call does nothing)
                     self.reply_error(staged.request_id, e)
                 finally:
                     self._staging.pop(staged.request_id, None)

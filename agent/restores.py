@@ -8,6 +8,7 @@ memfd segment laid out as :mod:`dashrun.wire.layout` says, and the node's
 other ranks are handed descriptors of the same segment; a rank whose private
 part is not in it yet has it fetched into place first. The only rank of a
 node may instead read the replicated state from dash-memd itself (``direct``),
+where dash-memd is its only holder (not this agent's store, not a peer),
 straight into the tensors it has (:mod:`dashrun.rank.direct`): the image then
 holds the tails alone, and no fresh memory the size of the state is written
 first. When the agent
@@ -31,12 +32,27 @@ import time
 from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.errors import ChecksumError, DashError, NotFoundError
+from dashrun.agent.peers.client import PeerClient
+from dashrun.agent.peers.store import Store
+from dashrun.errors import ChecksumError, DashError, NotFoundError, UnavailableError
 from dashrun.util.files import unmap
 from dashrun.wire import layout
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
-from dashrun.wire.planner import Extent, MemdSource, NodeCopy, Planner, pieces, replicated_span, wanted, widen_once
+from dashrun.wire.planner import (
+    Extent,
+    HeldSource,
+    MemdSource,
+    NodeCopy,
+    Peer,
+    PeerSource,
+    Planner,
+    Source,
+    pieces,
+    replicated_span,
+    wanted,
+    widen_once,
+)
 
 __all__ = ["CORRUPT_FALLBACKS", "ClientPool", "Lease", "RestoreCache", "RestoreImage"]
 
@@ -144,8 +160,12 @@ class ClientPool:
 class RestoreCache:
     """One fetch per (job, step) per node; kept briefly for the other local ranks."""
 
-    def __init__(self, config: AgentConfig):
+    def __init__(self, config: AgentConfig, store: Store | None = None,
+                 holders: Callable[[CheckpointInfo], dict[int, list[Peer]]] | None = None,
+                 peer_connect: Callable[[str, int], PeerClient] | None = None):
         self.config = config
+        self.store = store  # this agent's own shards: a source before the network
+        self.holders, self.peer_connect = holders, peer_connect  # other agents that hold a checkpoint's shards
         self.clients = ClientPool(config.memd_client, config.restore_streams + 1)
         self._lock = threading.Lock()
         self._fetching: dict[str, threading.Lock] = {}
@@ -182,7 +202,7 @@ class RestoreCache:
                     ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease | None:
         with self.clients.client() as client:
             for attempt in range(1, CORRUPT_FALLBACKS + 1):
-                info = client.latest(job, step)
+                info = self._latest(client, job, step)
                 if info is None:
                     return None
                 try:
@@ -193,6 +213,19 @@ class RestoreCache:
                     log.error("%s step %d cannot be restored (%s); trying the newest checkpoint before it", job,
                               info.step, e)
         return None
+
+    def _latest(self, client: MemdClient, job: str, step: int | None) -> CheckpointInfo | None:
+        """dash-memd's newest committed checkpoint (or ``step``); while dash-memd cannot be reached, the newest
+        committed one whose every shard this agent's store holds."""
+        try:
+            return client.latest(job, step)
+        except UnavailableError as e:
+            held = self.store.checkpoint(job, step) if self.store is not None else None
+            if held is None:
+                raise
+            log.warning("dash-memd is unreachable (%s): restoring %s step %d from this agent's store", e, job,
+                        held.step)
+            return held
 
     def prefetch(self, job: str) -> None:
         """Fetch the job's newest checkpoint now, for the ranks that are about to ask for it."""
@@ -207,6 +240,8 @@ class RestoreCache:
     def _get(self, info: CheckpointInfo, ranks: Collection[int] | None,
              ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease:
         job = info.job
+        # A rank reads the replicated state from dash-memd itself only where no faster holder has it.
+        direct = direct and not self._held_nearer(info)
         with self._lock:
             job_lock = self._fetching.setdefault(job, threading.Lock())
         with job_lock:
@@ -254,8 +289,7 @@ class RestoreCache:
         if not missing:
             return
         started = time.monotonic()
-        planner = Planner([NodeCopy(held.held), MemdSource(self.clients.client, self.config.restore_streams,
-                                                           waited_on=self._waited_on)])
+        planner = Planner(self._sources(held))
         stop = threading.Event()
         allocator = threading.Thread(target=_allocate, args=(held.fd, missing, stop, self._waited_on),
                                      name="restore-allocate", daemon=True)
@@ -271,6 +305,31 @@ class RestoreCache:
         held.held.update(missing)
         log.info("fetched %s step %d (%s) in %.2fs", info.job, info.step,
                  ", ".join(f"{n} bytes from {source}" for source, n in served.items()), time.monotonic() - started)
+
+    def _held_nearer(self, info: CheckpointInfo) -> bool:
+        """Whether this agent's store or a peer holds the checkpoint's replicated state (dash-memd is not the only
+        holder: the node's image is filled from them, rather than a rank reading dash-memd directly)."""
+        slices = [shard for shard in info.shards if shard.rep_end > shard.rep_start]
+        if self.store is not None and all(self.store.holds(info.job, info.step, shard.rank, shard.crc)
+                                          for shard in slices):
+            return True
+        return self.holders is not None and self.peer_connect is not None and bool(self.holders(info))
+
+    def _sources(self, image: RestoreImage) -> list[Source]:
+        """Where a restore's bytes come from, fastest first: the image, this agent's store, peers, dash-memd."""
+        sources: list[Source] = [NodeCopy(image.held)]
+        if self.store is not None:
+            sources.append(HeldSource(self.store))
+        holders = self.holders(image.info) if self.holders is not None and self.peer_connect is not None else {}
+        if holders:
+            sources.append(PeerSource(holders, self._peer, self.config.node, self.config.restore_streams))
+        sources.append(MemdSource(self.clients.client, self.config.restore_streams, waited_on=self._waited_on))
+        return sources
+
+    @contextlib.contextmanager
+    def _peer(self, peer: Peer) -> Iterator[PeerClient]:
+        with self.peer_connect(peer[1], peer[2]) as client:
+            yield client
 
     def handed_out(self, image: RestoreImage, local_ranks: int) -> None:
         """Count a rank served; once every local rank has its own descriptor, the agent's goes."""

@@ -6,7 +6,11 @@ use and serves each rank's connection in a thread of its own
 restores and waits in). It watches the cloud's interruption notices
 (:mod:`dashrun.agent.pollers`), tells every rank the most serious one, records
 it in dash-memd and in the node's preemption record, and, once the node's
-emergency checkpoint is committed, lets the cloud go ahead (Azure). On
+emergency checkpoint is committed, lets the cloud go ahead (Azure). With a
+store (``--peer-memory-limit``, or ``--replicas``) it keeps a copy of each
+shard its ranks hand over (:mod:`dashrun.agent.peers.own`); with a job and
+replicas it also serves the job's other agents (:mod:`dashrun.agent.peers`)
+and sends its own shards to its holders in the background. On
 :meth:`~AgentServer.stop` it takes no more connections and delivers what the
 ranks already handed over, within the drain timeout. A rank's connection is
 forgotten (and closed) once the rank is gone and what it handed over is
@@ -25,18 +29,27 @@ import struct
 import threading
 import time
 
+from typing import Callable
+
 from dashrun.agent.config import AgentConfig
+from dashrun.agent.peers.client import PeerClient
+from dashrun.agent.peers.own import OwnCopy
+from dashrun.agent.peers.replicas import Peer, Replicator
+from dashrun.agent.peers.server import PeerServer
+from dashrun.agent.peers.store import Store
 from dashrun.agent.pollers import Poller, make_poller
-from dashrun.agent.ranks import MAX_HELPERS, RankConnection
+from dashrun.agent.ranks import MAX_HELPERS, RankConnection, Staged
 from dashrun.agent.restores import RestoreCache
 from dashrun.env import PreemptionRecord
 from dashrun.errors import DashError, UsageError
 from dashrun.util.daemon import private_listener
 from dashrun.util.files import write_atomic
 from dashrun.util.problems import ProblemLog
-from dashrun.wire.messages import Notice, ShardHeader
+from dashrun.util.units import format_size
+from dashrun.wire.credentials import Credential
+from dashrun.wire.messages import CheckpointInfo, Notice, ShardHeader
 
-__all__ = ["AgentServer"]
+__all__ = ["AgentServer", "outbound_address"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +62,19 @@ class AgentServer:
 
     def __init__(self, config: AgentConfig):
         self.config = config
-        self.restores = RestoreCache(config)
+        #: shards in this agent's memory: its node's own snapshot and other nodes' replicas (None: none kept)
+        self.store: Store | None = Store(config.store_limit) if config.store_limit > 0 else None
+        self._store_problems = ProblemLog(log)
+        #: (node, host, port) of the agents this node's replicas go to, in order of preference; the fleet's
+        #: registry replaces this function (by default: the --peer options)
+        self.holders: Callable[[], list[Peer]] = lambda: list(self.config.peers)
+        #: per saved rank, the peers that hold its shard of a checkpoint a restore reads (by default: --peer)
+        self.restore_holders: Callable[[CheckpointInfo], dict[int, list[Peer]]] = self._given_holders
+        self.peer_server: PeerServer | None = None
+        self.replicator: Replicator | None = None
+        self._credential: Credential | None = None
+        self.restores = RestoreCache(config, store=self.store, holders=lambda info: self.restore_holders(info),
+                                     peer_connect=self.peer_client)
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._connections: list[RankConnection] = []
@@ -67,7 +92,63 @@ class AgentServer:
         self._failures.problem(job, err.code.value, "%s: shards are not reaching dash-memd at %s:%d: %s", job,
                                self.config.memd_host, self.config.memd_port, err, level=logging.ERROR)
 
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        """(host, port) the peer link listens on (None: it does not), as the fleet's registry lists it."""
+        return self.peer_server.address if self.peer_server is not None else None
+
+    def peer_client(self, host: str, port: int) -> PeerClient:
+        """A new client of the agent at ``host:port`` of this job (the caller closes it)."""
+        # Never dash-memd's TLS settings: a peer's certificate is its own, authenticated by the login.
+        return PeerClient(host, port, self._job_credential(), timeout=self.config.memd_timeout)
+
+    def _job_credential(self) -> Credential:
+        """The job's credential, which the peer link logs in with; UsageError without a job (or another's)."""
+        if self._credential is None:
+            if self.config.job is None:
+                raise UsageError("the peer link needs the agent's job", hint="give --job-id")
+            self._credential = Credential.parse(self.config.token).for_job(self.config.job)
+        return self._credential
+
+    def _given_holders(self, info: CheckpointInfo) -> dict[int, list[Peer]]:
+        return {rank: list(self.config.peers) for rank in range(info.world)} if self.config.peers else {}
+
+    def _start_peers(self) -> None:
+        """Serve the job's other agents, and send them this node's replicas (a job with replicas only)."""
+        config = self.config
+        if config.replicas <= 0 or self.store is None:
+            return
+        host = config.peer_host or outbound_address(config.memd_host, config.memd_port)
+        self.peer_server = PeerServer(self.store, self._job_credential(), host, config.peer_port)
+        self.peer_server.start()
+        self.replicator = Replicator(self.store, config.node, config.replicas, lambda: self.holders(),
+                                     self.peer_client).start()
+        log.info("serving the job's other agents on %s:%d (%s for shards, %d replica%s of each)",
+                 *self.peer_server.address, format_size(self.store.limit), config.replicas,
+                 "" if config.replicas == 1 else "s")
+
+    def keep_own(self, staged: Staged) -> OwnCopy | None:
+        """Start copying a handed-over shard into the store (None: no store)."""
+        if self.store is None:
+            return None
+        return OwnCopy(self.store, staged.header, self.config.node, staged.view, staged.wait_ready,
+                       self._store_problems)
+
+    def own_kept(self, own: OwnCopy | None, crc: int | None, committed: bool) -> None:
+        """Keep ``own`` if its CRC-32C is ``crc``; its replicas then go out in the background."""
+        if own is None:
+            return
+        header = own.finish(crc)
+        if header is None:
+            return
+        if committed:
+            self.store.committed(header.job, header.step)
+        if self.replicator is not None and header.job == self.config.job:
+            self.replicator.submit(header)
+
     def start(self) -> None:
+        if self.config.job is not None:
+            self._start_peers()  # first: a port it cannot have is the agent's error at start
         path = self.config.socket_path
         if self.config.listen_fd is None:
             listener = private_listener(path)  # for this user's ranks only
@@ -218,10 +299,30 @@ class AgentServer:
             conn.finish()
         for conn in connections:
             conn.wait_finished(max(0.0, deadline - time.monotonic()))
+        if self.replicator is not None:
+            self.replicator.wait_idle(max(0.0, deadline - time.monotonic()))
+            self.replicator.stop()
+        if self.peer_server is not None:
+            self.peer_server.stop()
         self.restores.expire(everything=True)
         self.restores.clients.close()
+        if self.store is not None:
+            self.store.close()
         if self._poller is not None:
             self._poller.stop(timeout=2.0)
+
+
+def outbound_address(host: str, port: int) -> str:
+    """The address of this machine that connections to ``host:port`` go out from (a route lookup: nothing is
+    sent), so that the peer link listens where the job's other nodes reach this one."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as e:
+        raise UsageError(f"cannot tell which address of this node reaches dash-memd at {host}:{port}: "
+                         f"{e.strerror or e}", hint="check --memd") from None
 
 
 def _inherited_listener(fd: int) -> socket.socket:

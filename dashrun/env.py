@@ -17,10 +17,12 @@ import os
 
 from dashrun.util.boundedjson import loads_bounded
 
-__all__ = ["ALL", "DEFAULT_PORT", "PreemptionRecord", "Var", "get"]
+__all__ = ["ALL", "DEFAULT_PEER_PORT", "DEFAULT_PORT", "PreemptionRecord", "Var", "get"]
 
 #: The port dash-memd listens on and every client dials when an address names none.
 DEFAULT_PORT = 7070
+#: The port dash-agent listens on for the other agents of its job (the peer link).
+DEFAULT_PEER_PORT = 7071
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,14 @@ OPERATOR_KEY = Var("DASH_OPERATOR_KEY", "the operator's Ed25519 private key (das
                    "user", "dashrun")
 OPERATOR_PUBKEY = Var("DASH_OPERATOR_PUBKEY", "the operator's Ed25519 public key: dashrun resume runs only specs "
                       "it signed", "user", "dashrun resume")
+PEER_PORT = Var("DASH_PEER_PORT", "TCP port dash-agent listens on for its job's other agents (0: any free port)",
+                "user", "dash-agent")
+PEER_MEMORY_LIMIT = Var("DASH_PEER_MEMORY_LIMIT", "bytes of shards dash-agent keeps in its own memory: its node's "
+                        "snapshot and other nodes' replicas", "user", "dash-agent")
+REPLICAS = Var("DASH_REPLICAS", "other nodes that hold a copy of each node's snapshot in their agent's memory", "user",
+               "dash-agent")
+PEERS = Var("DASH_PEERS", "HOST:PORT of the agents this node's replicas go to, given by hand (tests)", "tests",
+            "dash-agent")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
                "all")
 
@@ -120,7 +130,8 @@ ALL: tuple[Var, ...] = (
     MEMD_TIMEOUT, DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED,
     AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY,
     TLS_CA, AGENT_CPUS, TLS_FINGERPRINT, INSECURE_PLAINTEXT, ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB,
-    KEYS_OUT, WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY, CRASH_AT,
+    KEYS_OUT, WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY, PEER_PORT, PEER_MEMORY_LIMIT, REPLICAS, PEERS,
+    CRASH_AT,
 )
 
 

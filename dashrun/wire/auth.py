@@ -10,7 +10,10 @@ Challenge-response with HMAC-SHA256, the client speaking first::
 ``K`` is the cluster's token, or with ``J`` that job's key, which dash-memd
 derives from the token (:mod:`dashrun.wire.credentials`): a connection logged
 in with a job's credential is bound to that job, and dash-memd refuses it
-everything of any other (:mod:`dashrun.memd.scope`). ``I`` is dash-memd's id,
+everything of any other (:mod:`dashrun.memd.scope`). A server that holds only
+one job's credential (a dash-agent on the peer link) names the key of a login's
+job through a function of its own, which refuses every other job and the
+cluster's token. ``I`` is dash-memd's id,
 kept in its data dir, so the login names the daemon it is with. ``B`` is the
 channel binding (:mod:`dashrun.wire.tls`): SHA-256 of dash-memd's TLS
 certificate as each side sees it (32 zero bytes when both run with
@@ -40,7 +43,7 @@ from dashrun.wire.protocol import MAX_BODY_PREAUTH, Kind, field_digest, field_jo
 from dashrun.wire.sealed import after_login
 from dashrun.wire.tls import mismatch, peer_binding
 
-__all__ = ["client_handshake", "server_handshake"]
+__all__ = ["KeyFor", "client_handshake", "one_job", "server_handshake"]
 
 _AUTH_HINT = ("check --token-file on both sides; if they hold the same token, something on the path between them "
               "intercepts TLS")
@@ -59,11 +62,32 @@ def _mac(key: bytes, label: bytes, context: bytes, first: str, second: str) -> s
     return hmac.new(key, label + context + bytes.fromhex(first) + bytes.fromhex(second), "sha256").hexdigest()
 
 
-def server_handshake(ch: Channel, token: bytes, server_name: str, binding: bytes,
+#: The key a login for a job (None: with the cluster's token) must prove it holds; AuthError if the server admits
+#: no login for it.
+KeyFor = Callable[[str | None], bytes]
+
+
+def _from_token(token: bytes) -> KeyFor:
+    """dash-memd's keys: the token itself, or any job's key derived from it."""
+    return lambda job: token if job is None else job_key(token, job)
+
+
+def one_job(credential: Credential) -> KeyFor:
+    """The keys of a server that holds one job's ``credential`` alone: that job's; any other login is refused."""
+    def key_for(job: str | None) -> bytes:
+        if job is None or job != credential.job:
+            raise AuthError("this server admits logins with its own job's credential only")
+        return credential.key
+    return key_for
+
+
+def server_handshake(ch: Channel, token: bytes | KeyFor, server_name: str, binding: bytes,
                      admit: Callable[[], None] | None = None, server_id: str = "") -> str | None:
     """Run the server side; returns the job the connection is bound to (None: the cluster's token logged in).
-    Raises AuthError (after telling the client) if it lacks the key it claims.
+    Raises AuthError (after telling the client) if it lacks the key it claims, or if ``token`` admits no login
+    for its job.
 
+    ``token``: the cluster's token (every job's key is derived from it), or a :data:`KeyFor` function.
     ``binding``: the SHA-256 of this server's own certificate (``tls.BINDING_PLAIN`` without TLS).
     ``admit``: called once the client proved it holds the key, before it is welcomed; what it raises
     (BusyError) is the client's answer in place of WELCOME, for the caller to send.
@@ -74,7 +98,12 @@ def server_handshake(ch: Channel, token: bytes, server_name: str, binding: bytes
         raise ProtocolError("expected HELLO")
     client_nonce = field_nonce(hello.body, "nonce")
     job = field_job(hello.body) if hello.body.get("job") is not None else None
-    key = token if job is None else job_key(token, job)
+    key_for = _from_token(token) if isinstance(token, bytes) else token
+    try:
+        key = key_for(job)
+    except AuthError as refused:  # refused at once: no exchange can succeed
+        ch.send_error(refused)
+        raise
     context = _context(binding, server_id, job)
     server_nonce = secrets.token_hex(32)
     ch.send(Kind.HELLO, {"server": server_name, "id": server_id, "nonce": server_nonce})

@@ -3,10 +3,14 @@
 A restore names the byte ranges it needs (:class:`Extent`: a piece of one
 saved rank's shard, and where it goes in the node's image; :func:`wanted`
 says which a node needs). The planner tries its sources in order of speed —
-this node's own copy first, then dash-memd, which serves from its RAM, its
-disk or the bucket, whichever holds the checkpoint — and reads each range from
-the first source that holds it. Other holders (a peer's RAM) join the list of
-sources; nothing else changes.
+this node's image (:class:`NodeCopy`), the agent's own store of shards (its
+own snapshot and peers' replicas, :class:`HeldSource`), peers' stores over the
+peer link (:class:`PeerSource`), then dash-memd, which serves from its RAM,
+its disk or the bucket, whichever holds the checkpoint — and reads each range
+from the first source that holds it. A source that may fail where a later
+one would not (a store that dropped the shard meanwhile, a peer gone or
+serving bytes that fail their checksum) says so (``fallible``): the ranges it
+could not serve go on to the sources after it.
 
 dash-memd's ranges are read over several connections at once, in pieces of
 at most :data:`PIECE` bytes, so that receiving and decrypting one large shard
@@ -30,17 +34,22 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import logging
 import os
 import queue
 import threading
+import zlib
 from typing import Callable, Collection, ContextManager, Iterable, Protocol, Sequence
 
-from dashrun.errors import ProtocolError
+from dashrun.errors import DashError, NotFoundError, ProtocolError, UnavailableError
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 
-__all__ = ["PIECE", "Extent", "MemdSource", "NodeCopy", "Planner", "Scatter", "Source", "every_cpu", "everything",
-           "pieces", "replicated_span", "wanted", "widen_once"]
+__all__ = ["PIECE", "Extent", "HeldSource", "HeldStore", "MemdSource", "NodeCopy", "PeerReader", "PeerSource",
+           "Planner", "Scatter", "Source", "every_cpu", "everything", "pick_holder", "pieces", "replicated_span",
+           "wanted", "widen_once"]
+
+log = logging.getLogger(__name__)
 
 #: Largest byte range read in one request from dash-memd: small enough to spread one shard over every
 #: stream, large enough that a request's round trip is lost in its transfer.
@@ -171,6 +180,140 @@ class Source(Protocol):
     def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview | Scatter) -> None: ...
 
 
+class HeldStore(Protocol):
+    """What :class:`HeldSource` needs of the agent's store (:mod:`dashrun.agent.peers.store`)."""
+
+    def holds(self, job: str, step: int, rank: int, crc: int) -> bool: ...
+
+    def read(self, job: str, step: int, rank: int, crc: int, offset: int, views: Sequence[memoryview]) -> bool:
+        """Copy a range of a held shard into ``views``, checked; False if not held (any more)."""
+
+
+class PeerReader(Protocol):
+    """What :class:`PeerSource` needs of a connection to a peer (:class:`dashrun.agent.peers.client.PeerClient`)."""
+
+    def get_into(self, job: str, step: int, rank: int, crc: int, offset: int,
+                 views: Sequence[memoryview]) -> None: ...
+
+
+#: A peer agent that holds shards: its node's name and where it listens.
+Peer = tuple[str, str, int]
+
+
+class HeldSource:
+    """This agent's own store: its node's own snapshot and the replicas it holds, read without the network."""
+
+    name = "this agent's store"
+    fallible = True  # dropped since the plan was made (a newer step committed)
+
+    def __init__(self, store: HeldStore):
+        self.store = store
+
+    def holds(self, info: CheckpointInfo, extent: Extent) -> bool:
+        return self.store.holds(info.job, info.step, extent.rank, info.shards[extent.rank].crc)
+
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview | Scatter) -> None:
+        for extent in extents:
+            crc = info.shards[extent.rank].crc
+            if not self.store.read(info.job, info.step, extent.rank, crc, extent.start,
+                                   _views_of(image, extent.at, extent.at + extent.nbytes)):
+                raise NotFoundError(f"{info.job} step {info.step}, rank {extent.rank}'s shard left this agent's "
+                                    "store")
+
+
+def pick_holder(me: str, rank: int, holders: Sequence[Peer]) -> list[Peer]:
+    """``holders`` in the order a restoring node ``me`` tries them for saved rank ``rank``'s shard: from one
+    chosen by a hash of (``me``, ``rank``) on, so that nodes restoring at once read from different holders."""
+    if not holders:
+        return []
+    first = zlib.crc32(f"{me}\0{rank}".encode()) % len(holders)
+    return list(holders[first:]) + list(holders[:first])
+
+
+class PeerSource:
+    """Other agents' stores over the peer link: ``holders`` names, per saved rank, the peers that hold its shard
+    (with the checkpoint's crc); ``connect(peer)`` a connection to one (a context manager, closed after).
+
+    Each holder is read by up to ``streams`` connections at once, every holder at once; a piece a holder fails
+    to serve (gone, not held, its bytes failing their check) is asked of that rank's next holder, and only when
+    every holder failed it goes on to the sources after this one.
+    """
+
+    name = "peers"
+    fallible = True
+
+    def __init__(self, holders: dict[int, Sequence[Peer]], connect: Callable[[Peer], ContextManager[PeerReader]],
+                 me: str, streams: int = 2):
+        self.holders = {rank: list(peers) for rank, peers in holders.items() if peers}
+        self.connect, self.me, self.streams = connect, me, max(1, streams)
+
+    def holds(self, info: CheckpointInfo, extent: Extent) -> bool:
+        return extent.rank in self.holders
+
+    def read(self, info: CheckpointInfo, extents: Sequence[Extent], image: memoryview | Scatter) -> None:
+        by_holder: dict[Peer, queue.SimpleQueue[Extent]] = {}
+        for extent in extents:
+            first = pick_holder(self.me, extent.rank, self.holders[extent.rank])[0]
+            for piece in extent.split(PIECE):
+                by_holder.setdefault(first, queue.SimpleQueue()).put(piece)
+        failures: list[BaseException] = []
+        dead: set[Peer] = set()  # holders that could not be reached: not asked again in this read
+
+        def stream(holder: Peer, pieces: queue.SimpleQueue[Extent]) -> None:
+            with contextlib.ExitStack() as stack:
+                try:
+                    client: PeerReader | None = stack.enter_context(self.connect(holder))
+                except DashError as e:
+                    log.warning("peer %s: %s", holder[0], e)
+                    dead.add(holder)
+                    client = None
+                try:
+                    while not failures:
+                        try:
+                            piece = pieces.get_nowait()
+                        except queue.Empty:
+                            return
+                        self._read_piece(info, piece, image, holder, client, dead)
+                except BaseException as e:  # the first failure stops every stream, and is raised
+                    failures.append(e)
+
+        threads = [threading.Thread(target=stream, args=(holder, pieces), name=f"peer-restore-{holder[0]}",
+                                    daemon=True)
+                   for holder, pieces in by_holder.items() for _ in range(self.streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+
+    def _read_piece(self, info: CheckpointInfo, piece: Extent, image: memoryview | Scatter, holder: Peer,
+                    client: PeerReader | None, dead: set[Peer]) -> None:
+        """Read ``piece`` from ``client`` (of ``holder``), else from the rank's other holders in turn."""
+        crc = info.shards[piece.rank].crc
+        views = _views_of(image, piece.at, piece.at + piece.nbytes)
+        problem: DashError | None = None
+        for other in [holder] + [p for p in pick_holder(self.me, piece.rank, self.holders[piece.rank])
+                                 if p != holder]:
+            if other in dead:
+                continue
+            try:
+                if other == holder and client is not None:
+                    client.get_into(info.job, info.step, piece.rank, crc, piece.start, views)
+                elif other != holder:
+                    with self.connect(other) as another:
+                        another.get_into(info.job, info.step, piece.rank, crc, piece.start, views)
+                else:
+                    continue
+                return
+            except DashError as e:
+                problem = e
+                if isinstance(e, UnavailableError):
+                    dead.add(other)
+                log.warning("peer %s: %s step %d, rank %d: %s", other[0], info.job, info.step, piece.rank, e)
+        raise problem or NotFoundError(f"no peer holds {info.job} step {info.step}, rank {piece.rank}'s shard")
+
+
 class NodeCopy:
     """This node: the ranges already in the image (fetched by an earlier restore, or ahead of the ranks)."""
 
@@ -280,9 +423,30 @@ class Planner:
         for extent in extents:
             index = next(i for i, source in enumerate(self.sources) if source.holds(info, extent))
             plan.setdefault(index, []).append(extent)
-        served = {}
+        served: dict[str, int] = {}
         for index, chosen in sorted(plan.items()):
-            source = self.sources[index]
-            source.read(info, chosen, image)
-            served[source.name] = served.get(source.name, 0) + sum(e.nbytes for e in chosen)
+            self._read_from(index, info, chosen, image, served)
         return served
+
+    def _read_from(self, index: int, info: CheckpointInfo, chosen: list[Extent], image: memoryview | Scatter,
+                   served: dict[str, int]) -> None:
+        """Read ``chosen`` from source ``index``; if it is ``fallible`` and fails, from the sources after it."""
+        source = self.sources[index]
+        try:
+            source.read(info, chosen, image)
+        except DashError as e:
+            later = range(index + 1, len(self.sources))
+            if not getattr(source, "fallible", False) or not later:
+                raise
+            log.warning("%s step %d: %s could not serve %d bytes (%s); reading them from the next source",
+                        info.job, info.step, source.name, sum(x.nbytes for x in chosen), e)
+            plan: dict[int, list[Extent]] = {}
+            for extent in chosen:
+                following = next((i for i in later if self.sources[i].holds(info, extent)), None)
+                if following is None:
+                    raise
+                plan.setdefault(following, []).append(extent)
+            for following, extents in sorted(plan.items()):
+                self._read_from(following, info, extents, image, served)
+            return
+        served[source.name] = served.get(source.name, 0) + sum(e.nbytes for e in chosen)

@@ -311,8 +311,10 @@ def _client_context(ca: Path | None) -> ssl.SSLContext:
     return context
 
 
-def connect(host: str, port: int, settings: TlsSettings, *, timeout: float, connect_timeout: float = 5.0):
-    """A TCP connection to dash-memd, ready for the login: TLS unless ``settings.plaintext``.
+def connect(host: str, port: int, settings: TlsSettings, *, timeout: float, connect_timeout: float = 5.0,
+            what: str = "dash-memd"):
+    """A TCP connection to dash-memd (or another server, as ``what`` names it), ready for the login: TLS unless
+    ``settings.plaintext``.
 
     ``timeout`` bounds each wait on the connection from here on (the TLS
     handshake as a whole). A dash-memd of the other mode, unreachable or
@@ -322,8 +324,9 @@ def connect(host: str, port: int, settings: TlsSettings, *, timeout: float, conn
     try:
         sock = socket.create_connection((host, port), timeout=connect_timeout)
     except OSError as e:
-        raise UnavailableError(f"cannot reach dash-memd at {address}: {e.strerror or e}",
-                               hint="is dash-memd running there, and is --memd right?") from None
+        raise UnavailableError(f"cannot reach {what} at {address}: {e.strerror or e}",
+                               hint="is dash-memd running there, and is --memd right?" if what == "dash-memd"
+                               else f"is {what} running there?") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

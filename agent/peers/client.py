@@ -1,0 +1,129 @@
+"""The peer link's client: send a replica to another agent of the job, read a byte range of one back.
+
+One connection (TLS, the login with the job's credential, sealed records:
+:mod:`dashrun.agent.peers.server`), requests one at a time, reconnecting on
+the next request after the connection broke. The link is always TLS, also
+where the link to dash-memd runs with ``--no-tls``: nothing there asks for
+plaintext between nodes.
+
+What a reader gets is checked before it is used: every byte received is
+checked against the frame's CRC-32C trailer, which the holder takes from the
+shard's marks (the CRC-32C of the bytes as they arrived there, checked
+against the header's crc then: :mod:`dashrun.wire.blocks`), not from the bytes
+it sends; a whole shard's CRC-32C must moreover be the one asked for. So a
+byte changed in transit or in the holder's memory raises ChecksumError here.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+from typing import Sequence
+
+from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
+from dashrun.wire.auth import client_handshake
+from dashrun.wire.channel import Channel
+from dashrun.wire.credentials import Credential
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import MAX_BYTES, Kind
+from dashrun.wire.tls import TlsSettings, connect
+
+__all__ = ["PeerClient"]
+
+
+class PeerClient:
+    """A client of the agent at ``host:port``, logged in with ``credential`` (a job's)."""
+
+    def __init__(self, host: str, port: int, credential: Credential, *, tls: TlsSettings = TlsSettings(),
+                 timeout: float = 60.0, connect_timeout: float = 5.0):
+        if credential.job is None:
+            raise ValueError("the peer link needs a job's credential")
+        self.host, self.port = host, port
+        self.credential = credential
+        self.tls = TlsSettings() if tls.plaintext else tls  # never plaintext: see the module's text
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self._ch: Channel | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._ch is not None:
+            self._ch.close()
+            self._ch = None
+
+    def _idle_and_open(self) -> bool:
+        """Whether the connection is up with nothing to read: one the peer closed (idle, restarted) reads ready."""
+        try:
+            readable, _, _ = select.select([self._ch.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def _channel(self) -> Channel:
+        if self._ch is not None and not self._idle_and_open():  # kept between replicas: the peer may have closed it
+            self.close()
+        if self._ch is None:
+            sock = connect(self.host, self.port, self.tls, timeout=self.timeout,
+                           connect_timeout=self.connect_timeout, what="the peer dash-agent")
+            ch = Channel(sock)
+            try:
+                ch.settimeout(self.timeout)
+                client_handshake(ch, self.credential.file_bytes().strip(), self.address)
+            except BaseException:
+                ch.close()
+                raise
+            self._ch = ch
+        return self._ch
+
+    def _request(self, fn):
+        with self._lock:
+            ch = self._channel()
+            try:
+                return fn(ch)
+            except (UnavailableError, ProtocolError, ChecksumError):
+                self.close()  # a checksum failure mid-frame leaves the link out of step: a fresh one next time
+                raise
+
+    def ping(self) -> None:
+        self._request(lambda ch: ch.call(Kind.PING))
+
+    def put_replica(self, header: ShardHeader, owner: str, views: Sequence[memoryview | bytes],
+                    committed: int | None = None) -> int:
+        """Send a whole shard of ``owner`` (``header.crc`` set: the holder checks the bytes against it), and the
+        newest step of the job ``owner`` knows ``committed``; returns the CRC-32C the holder verified.
+        NoSpaceError if it cannot hold it."""
+        def run(ch: Channel) -> int:
+            body = {"shard": header.to_body(), "owner": owner, "committed": committed}
+            ch.call(Kind.REPLICA_PUT, body)  # room, or NoSpaceError before a byte is sent
+            reply = ch.call(Kind.REPLICA_PUT, {}, data=views)
+            if reply.body.get("crc") != header.crc:
+                raise ProtocolError("the holder answered a replica with another checksum")
+            return header.crc
+        return self._request(run)
+
+    def get_into(self, job: str, step: int, rank: int, crc: int, offset: int, views: Sequence[memoryview]) -> None:
+        """Bytes ``[offset, offset + len(views))`` of the held shard ``(job, step, rank)`` of CRC-32C ``crc``
+        into ``views``, checked (see the module's text); NotFoundError if the peer does not hold it."""
+        length = sum(len(v) for v in views)
+
+        def run(ch: Channel) -> None:
+            ch.send(Kind.REPLICA_GET, {"job": job, "step": step, "rank": rank, "crc": crc, "offset": offset,
+                                       "length": length})
+            reply = ch.expect_reply(max_data=min(length, MAX_BYTES))
+            nbytes = reply.body.get("nbytes")
+            if reply.data_len != length or type(nbytes) is not int or offset + length > nbytes:
+                raise ProtocolError(f"the peer answered {reply.data_len} bytes for {length} asked")
+            got = ch.recv_data_into(reply, views)
+            if offset == 0 and length == nbytes and got != crc:
+                raise ChecksumError(f"{job} step {step}, rank {rank}'s shard from {self.address} is not the one "
+                                    f"asked for (CRC-32C {got:#010x}, not {crc:#010x})")
+        self._request(run)

@@ -238,6 +238,7 @@ def test_dash_memd_answers_a_step_committed_on_the_fleet_that_it_does_not_hold(m
         assert answer.committed == 12
         located = client.locate(job)
         assert (located.info.step, located.in_memd) == (12, False)
+        assert client.latest(job) is None  # a reader of dash-memd alone is not given what it cannot read there
         assert located.holders[1] == [Holder("a", "127.0.0.1", 7001), Holder("b", "127.0.0.1", 7002)]
         for header, payload in made[:1]:  # dash-memd catching up: one shard of two is no checkpoint of its own
             client.put_shard(header, [payload])

@@ -373,7 +373,8 @@ class MemdServer:
 
     def _latest(self, ch: Channel, frame: Frame) -> None:
         step = field_step(frame.body) if frame.body.get("step") is not None else None
-        ch.send(Kind.OK, self.fleet.locate(field_job(frame.body), step))
+        ch.send(Kind.OK, self.fleet.locate(field_job(frame.body), step,
+                                           fleet=field_bool(frame.body, "fleet", default=False)))
 
     def _get_shard(self, ch: Channel, frame: Frame) -> None:
         body = frame.body

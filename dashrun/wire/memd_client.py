@@ -154,7 +154,7 @@ class MemdClient:
     def locate(self, job: str, step: int | None = None) -> Located | None:
         """:meth:`latest` (also a step committed on the fleet only), with the nodes that hold each saved rank's
         shard of it in their own RAM and whether dash-memd holds it whole; None if the job has none."""
-        body = self._request(lambda ch: ch.call(Kind.LATEST, {"job": job, "step": step}).body)
+        body = self._request(lambda ch: ch.call(Kind.LATEST, {"job": job, "step": step, "fleet": True}).body)
         raw = body.get("checkpoint")
         if raw is None:
             return None

@@ -166,11 +166,12 @@ class FleetRequests:
         ch.send(Kind.OK, {"members": [member.to_body() for member in members],
                           "committed": newest["step"] if newest else None})
 
-    def locate(self, job: str, step: int | None) -> dict:
-        """LATEST's answer: the newest committed checkpoint of ``job`` (or ``step``) — the catalogue's, or one
-        committed on the fleet (held by R+1 nodes) that dash-memd does not hold whole yet — whether dash-memd
-        holds it, and the nodes that hold each shard in their own RAM (a restore reads from them first)."""
-        fleet = self.holdings.committed(job, step, self.membership.generation(job))
+    def locate(self, job: str, step: int | None, fleet: bool = True) -> dict:
+        """LATEST's answer: the newest committed checkpoint of ``job`` (or ``step``) — the catalogue's, or, asked
+        for ``fleet``, one committed on the fleet (held by R+1 nodes) that dash-memd does not hold whole yet —
+        whether dash-memd holds it, and the nodes that hold each shard in their own RAM (a restore reads from
+        them first). A client that reads from dash-memd alone (an export, dashrun.dcp) does not ask for it."""
+        fleet = self.holdings.committed(job, step, self.membership.generation(job)) if fleet else None
         try:
             info = self.catalogued(job, step)
         except UnavailableError:  # the bucket, not listed yet, may hold newer ones than the fleet's

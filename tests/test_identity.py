@@ -221,5 +221,5 @@ def test_a_label_wins_over_the_metadata_service(fakes):
 
 
 def test_identity_imports_no_torch():
-    code = "import sys, dashrun.agent.identity; assert 'torch' not in sys.modules"
+    code = "import sys, dashrun.agent.identity, dashrun.agent.peers.placement; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

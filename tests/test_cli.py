@@ -51,9 +51,9 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert getattr(action.type, "__qualname__", action.type) == getattr(mine.type, "__qualname__", mine.type)
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
-    assert own == ["agent_cpus", "cloud", "failure_domain", "fresh", "hostfile", "job_id", "memd", "memd_wait", "metadata_endpoint",
-                   "no_tls", "operator_key", "poll_interval", "remote_python", "ssh_config", "tls_ca", "tls_fingerprint",
-                   "token_file", "version", "weak_token_ok"]
+    assert own == ["agent_cpus", "cloud", "failure_domain", "fresh", "hostfile", "job_id", "memd", "memd_wait",
+                   "metadata_endpoint", "no_tls", "operator_key", "poll_interval", "remote_python", "ssh_config",
+                   "tls_ca", "tls_fingerprint", "token_file", "version", "weak_token_ok"]
 
 
 def test_pet_environment_twins_work_as_in_torchrun(monkeypatch):

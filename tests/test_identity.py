@@ -188,7 +188,8 @@ def test_answers_are_bounded(fakes, warnings):
 def test_labels_parse_and_round_trip():
     assert FailureDomain.parse("us-east-1a") == FailureDomain("us-east-1a")
     domain = FailureDomain.parse("us-east-1a/g5.12xlarge:spot")
-    assert domain == FailureDomain("us-east-1a", "g5.12xlarge:spot", "spot") and domain.label == "us-east-1a/g5.12xlarge:spot"
+    assert domain == FailureDomain("us-east-1a", "g5.12xlarge:spot", "spot")
+    assert domain.label == "us-east-1a/g5.12xlarge:spot"
     assert FailureDomain.parse("rack-7/a100:on-demand").market == "on-demand"
     assert FailureDomain.parse("rack-7/a100").market == ""
     identity = DEFAULTS["azure"]

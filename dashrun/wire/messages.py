@@ -29,9 +29,10 @@ from dashrun.wire.protocol import (
     field_str,
 )
 
-__all__ = ["CLOUDS", "MARKETS", "MAX_DOMAIN_LABEL", "MAX_DOMAIN_PART", "MAX_RDZV_STATE", "MAX_RDZV_WAIT", "MAX_STORE_JOB_BYTES", "MAX_STORE_KEY", "MAX_STORE_KEYS",
-           "MAX_STORE_VALUE", "MAX_STORE_WAIT", "MEMBERSHIP_CHANGES", "CheckpointInfo", "FailureDomain", "JobSpec", "MembershipEvent",
-           "Notice", "NoticeKind", "ShardHeader", "tiling_problem"]
+__all__ = ["CLOUDS", "MARKETS", "MAX_DOMAIN_LABEL", "MAX_DOMAIN_PART", "MAX_RDZV_STATE", "MAX_RDZV_WAIT",
+           "MAX_STORE_JOB_BYTES", "MAX_STORE_KEY", "MAX_STORE_KEYS", "MAX_STORE_VALUE", "MAX_STORE_WAIT",
+           "MEMBERSHIP_CHANGES", "CheckpointInfo", "FailureDomain", "JobSpec", "MembershipEvent", "Notice",
+           "NoticeKind", "ShardHeader", "tiling_problem"]
 
 #: An Ed25519 signature as 128 lowercase hex digits.
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")

@@ -23,6 +23,7 @@ from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address, parse_size
 from dashrun.version import __version__
+from dashrun.wire.messages import FailureDomain
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["PROGRAM", "cli", "main", "run"]
@@ -57,6 +58,10 @@ log = logging.getLogger(PROGRAM)
                    "are honoured too).")
 @click.option("--poll-interval", envvar=env.POLL_INTERVAL.name, show_envvar=True, type=float, default=None,
               help="Seconds between metadata polls (default: each cloud's; GCP waits on a hanging GET).")
+@click.option("--failure-domain", envvar=env.FAILURE_DOMAIN.name, show_envvar=True, default=None,
+              metavar="ZONE[/POOL]",
+              help="This node's failure domain, which replicas of its state are placed away from (default: the zone, "
+                   "instance type and market the metadata service gives, e.g. us-east-1a/g5.12xlarge:spot).")
 @click.option("--no-prefetch", envvar=env.NO_PREFETCH.name, show_envvar=True, is_flag=True,
               help="Do not fetch the job's newest checkpoint at start, ahead of its ranks' restore().")
 @click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True,
@@ -83,8 +88,8 @@ log = logging.getLogger(PROGRAM)
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
-        metadata_endpoint, poll_interval, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas, peer_port,
-        peer_memory_limit, peers, log_level) -> None:
+        metadata_endpoint, poll_interval, failure_domain, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
+        peer_port, peer_memory_limit, peers, log_level) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
@@ -92,6 +97,7 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          socket_path=Path(socket_path), listen_fd=listen_fd, memd_timeout=memd_timeout,
                          drain_timeout=drain_timeout, job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint,
                          poll_interval=poll_interval, parent_pid=parent_pid,
+                         failure_domain=FailureDomain.parse(failure_domain) if failure_domain else None,
                          tls=TlsSettings.from_options(no_tls, tls_ca, tls_fingerprint), prefetch=not no_prefetch,
                          replicas=replicas, peer_port=peer_port,
                          peer_memory_limit=None if peer_memory_limit is None else parse_size(peer_memory_limit),

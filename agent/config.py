@@ -10,6 +10,7 @@ from pathlib import Path
 from dashrun.env import DEFAULT_PEER_PORT, PreemptionRecord
 from dashrun.errors import UsageError
 from dashrun.wire.memd_client import MemdClient
+from dashrun.wire.messages import FailureDomain
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["DEFAULT_PEER_MEMORY", "AgentConfig"]
@@ -46,6 +47,9 @@ class AgentConfig:
     metadata_endpoint: str | None = None
     #: seconds between polls of the metadata service (None: each cloud's own default)
     poll_interval: float | None = None
+    #: this node's failure domain as --failure-domain names it (None: read from the metadata service,
+    #: dashrun.agent.identity.this_domain)
+    failure_domain: FailureDomain | None = None
     #: the launcher's pid: once it is gone the agent delivers what was handed over and exits (None: never)
     parent_pid: int | None = None
     #: TLS to dash-memd (or plaintext with --no-tls), and a CA to verify it with

@@ -3,6 +3,7 @@
 
     python scripts/fake_metadata.py --cloud aws|gcp|azure [--port 0] [--imdsv2 required|optional]
                                     [--ready-file F] [--vm-name NAME] [--life-cycle spot|on-demand]
+                                    [--zone ZONE] [--instance-type TYPE] [--region REGION]
                                     [--notice KIND [--notice-after SECONDS]]
 
 It speaks, on 127.0.0.1 only, what a client on a Spot VM meets (see
@@ -14,17 +15,28 @@ shared/reference/cloud-metadata.md for the facts it honours):
   ``meta-data/spot/instance-action`` and the legacy ``spot/termination-time`` are
   404 until a notice is scheduled, ``events/recommendations/rebalance`` 404 until a
   recommendation; JSON is served as text/plain. Enough of the rest (instance-id,
-  instance-life-cycle, placement, an IAM role's credentials) for botocore.
+  instance-type, instance-life-cycle, placement, the identity document, an IAM
+  role's credentials) for botocore.
 - ``gcp``: the metadata server. ``Metadata-Flavor: Google`` is required (403
   without); answers carry ``Metadata-Flavor`` and ``ETag``; ``instance/preempted``
   (FALSE/TRUE) and every other value support the hanging GET
   ``?wait_for_change=true&last_etag=..&timeout_sec=..``; ``instance/maintenance-event``,
-  ``instance/scheduling/provisioning-model``.
+  ``instance/scheduling/provisioning-model``, ``instance/zone`` and ``instance/machine-type``
+  (``projects/N/zones/ZONE``, ``projects/N/machineTypes/TYPE``).
 - ``azure``: IMDS with Scheduled Events. ``Metadata: true`` is required (400
   without); ``/metadata/scheduledevents?api-version=2020-07-01`` answers
   ``DocumentIncarnation`` (grows on every change) and ``Events``; a POST with
   ``{"StartRequests": [{"EventId": ...}]}`` acknowledges (400 when malformed) and is
-  recorded; ``/metadata/instance/compute/name?api-version=..&format=text`` names the VM.
+  recorded; ``/metadata/instance/compute?api-version=..`` describes the VM (``name``,
+  ``location``, ``zone``, ``vmSize``, ``priority`` Spot or Regular, ...), and each leaf
+  with ``format=text`` (``/metadata/instance/compute/name``).
+
+Where the VM stands (``zone``, ``instance_type``, ``region``; ``--zone`` ...) is
+settable per fake; the defaults are one cloud's GPU Spot VM each: AWS
+g5.12xlarge in us-east-1a (region us-east-1), GCP a2-highgpu-1g in
+us-central1-a, Azure Standard_NC24ads_A100_v4 in zone 1 of eastus (the region is
+Azure's ``location``; ``zone=""`` is a VM without a zone). A region not given is
+the zone's (AWS: without its last letter; GCP: without its last ``-part``).
 
 From a test (import this file)::
 
@@ -87,6 +99,13 @@ AWS_TOKEN_HEADER = "X-aws-ec2-metadata-token"
 AWS_MAX_TTL = 21600
 AWS_ACTIONS = ("terminate", "stop", "hibernate")
 AWS_ROLE = "dash-node-role"
+
+#: where each cloud's fake VM stands unless told otherwise: (zone, instance type, region)
+PLACEMENT = {"aws": ("us-east-1a", "g5.12xlarge", "us-east-1"),
+             "gcp": ("us-central1-a", "a2-highgpu-1g", "us-central1"),
+             "azure": ("1", "Standard_NC24ads_A100_v4", "eastus")}
+#: how the clouds spell zones, regions and instance types (Azure's zone may be empty: a VM in no zone)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 GCP_PREFIX = "/computeMetadata/v1/"
 GCP_MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
@@ -241,7 +260,8 @@ class FakeMetadata:
     """
 
     def __init__(self, cloud: str, *, port: int = 0, imdsv2: str = "optional", vm_name: str = "dash-spot-0",
-                 instance_id: str = "i-0a1b2c3d4e5f67890", life_cycle: str = "spot", host: str = HOST):
+                 instance_id: str = "i-0a1b2c3d4e5f67890", life_cycle: str = "spot", host: str = HOST,
+                 zone: str | None = None, instance_type: str | None = None, region: str | None = None):
         if cloud not in CLOUDS:
             raise ValueError(f"cloud must be one of {', '.join(CLOUDS)}, not {cloud!r}")
         if imdsv2 not in ("required", "optional"):
@@ -250,6 +270,16 @@ class FakeMetadata:
             raise ValueError(f"life_cycle must be 'spot' or 'on-demand', not {life_cycle!r}")
         self.cloud, self.imdsv2, self.vm_name = cloud, imdsv2, vm_name
         self.instance_id, self.life_cycle = instance_id, life_cycle
+        default_zone, default_type, default_region = PLACEMENT[cloud]
+        self.zone = default_zone if zone is None else zone
+        self.instance_type = default_type if instance_type is None else instance_type
+        if region is None:
+            region = default_region if zone is None else _region_of(cloud, self.zone)
+        self.region = region
+        for name in ("zone", "instance_type", "region"):
+            value = getattr(self, name)
+            if not (NAME.fullmatch(value) or (cloud == "azure" and name == "zone" and value == "")):
+                raise ValueError(f"{name} {value!r} is not a name of letters, digits and . _ -")
         self._host, self._port = host, port
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # GCP hanging GETs wait on it
@@ -387,6 +417,12 @@ class FakeMetadata:
         self._set_gcp("instance/maintenance-event", value)
         return value
 
+    def set_value(self, key: str, value: str) -> None:
+        """GCP: serve ``value`` at ``key`` (``instance/zone`` ...) from now on, whatever the VM's settings say: an
+        odd answer for a test (waking hanging GETs on it)."""
+        self._need("gcp")
+        self._set_gcp(key, value)
+
     def add_event(self, event_type: str = "Preempt", *, lead: float | None = None, not_before: float | None = None,
                   resources: list[str] | None = None, status: str = "Scheduled", source: str = "Platform",
                   description: str | None = None, duration: int = -1, event_id: str | None = None) -> str:
@@ -464,7 +500,8 @@ class FakeMetadata:
         with self._lock:
             return {
                 "cloud": self.cloud, "url": self.url if self._server else None, "imdsv2": self.imdsv2,
-                "vm_name": self.vm_name, "requests": len(self._requests), "tokens_issued": self.tokens_issued,
+                "vm_name": self.vm_name, "zone": self.zone, "instance_type": self.instance_type,
+                "region": self.region, "requests": len(self._requests), "tokens_issued": self.tokens_issued,
                 "spot_action": self._spot_action, "rebalance": self._rebalance, "gcp": dict(self._gcp),
                 "incarnation": self._incarnation, "events": json.loads(json.dumps(self._events)),
                 "acknowledgements": list(self._acks),
@@ -646,9 +683,9 @@ class FakeMetadata:
             "ami-id": "ami-0abcdef1234567890", "ami-launch-index": "0",
             "hostname": "ip-10-0-0-12.ec2.internal", "local-hostname": "ip-10-0-0-12.ec2.internal",
             "local-ipv4": "10.0.0.12", "mac": "0e:49:61:0f:c3:11",
-            "instance-id": self.instance_id, "instance-type": "g5.12xlarge",
+            "instance-id": self.instance_id, "instance-type": self.instance_type,
             "instance-life-cycle": self.life_cycle, "instance-action": "none",
-            "placement/availability-zone": "us-east-1a", "placement/region": "us-east-1",
+            "placement/availability-zone": self.zone, "placement/region": self.region,
             "services/domain": "amazonaws.com", "events/maintenance/scheduled": "[]",
             "iam/info": json.dumps({"Code": "Success", "LastUpdated": aws_time(now),
                                     "InstanceProfileArn": f"arn:aws:iam::123456789012:instance-profile/{AWS_ROLE}",
@@ -665,9 +702,9 @@ class FakeMetadata:
             md["events/recommendations/rebalance"] = json.dumps(rebalance)
         tree = {f"meta-data/{k}": v for k, v in md.items()}
         tree["dynamic/instance-identity/document"] = json.dumps({
-            "accountId": "123456789012", "architecture": "x86_64", "availabilityZone": "us-east-1a",
-            "imageId": "ami-0abcdef1234567890", "instanceId": self.instance_id, "instanceType": "g5.12xlarge",
-            "pendingTime": "2026-01-01T00:00:00Z", "privateIp": "10.0.0.12", "region": "us-east-1",
+            "accountId": "123456789012", "architecture": "x86_64", "availabilityZone": self.zone,
+            "imageId": "ami-0abcdef1234567890", "instanceId": self.instance_id, "instanceType": self.instance_type,
+            "pendingTime": "2026-01-01T00:00:00Z", "privateIp": "10.0.0.12", "region": self.region,
             "version": "2017-09-30"}, indent=2)
         return tree
 
@@ -683,9 +720,9 @@ class FakeMetadata:
         spot = self.life_cycle == "spot"
         tree = {
             "instance/id": "4520031799277581759", "instance/name": self.vm_name,
-            "instance/hostname": f"{self.vm_name}.us-central1-a.c.dash-project.internal",
-            "instance/zone": "projects/123456789012/zones/us-central1-a",
-            "instance/machine-type": "projects/123456789012/machineTypes/a2-highgpu-1g",
+            "instance/hostname": f"{self.vm_name}.{self.zone}.c.dash-project.internal",
+            "instance/zone": f"projects/123456789012/zones/{self.zone}",
+            "instance/machine-type": f"projects/123456789012/machineTypes/{self.instance_type}",
             "instance/scheduling/provisioning-model": "SPOT" if spot else "STANDARD",
             "instance/scheduling/preemptible": "TRUE" if spot else "FALSE",
             "instance/scheduling/on-host-maintenance": "TERMINATE",
@@ -815,12 +852,12 @@ class FakeMetadata:
         spot = self.life_cycle == "spot"
         return {
             "compute": {
-                "azEnvironment": "AzurePublicCloud", "location": "eastus", "name": self.vm_name,
+                "azEnvironment": "AzurePublicCloud", "location": self.region, "name": self.vm_name,
                 "osType": "Linux", "priority": "Spot" if spot else "Regular",
                 "evictionPolicy": "Delete" if spot else "", "provider": "Microsoft.Compute",
                 "resourceGroupName": "dash-rg", "subscriptionId": "00000000-0000-0000-0000-000000000000",
-                "vmId": "02aab8a4-74ef-476e-8182-f6d2ba4166a6", "vmSize": "Standard_NC24ads_A100_v4",
-                "zone": "1",
+                "vmId": "02aab8a4-74ef-476e-8182-f6d2ba4166a6", "vmSize": self.instance_type,
+                "zone": self.zone,
             },
             "network": {"interface": [{"ipv4": {"ipAddress": [{"privateIpAddress": "10.0.0.4",
                                                                 "publicIpAddress": ""}]},
@@ -901,6 +938,16 @@ def _azure_type(kind: str) -> str:
     raise ValueError(f"Azure event types are {', '.join(AZURE_EVENT_TYPES)}, not {kind!r}")
 
 
+def _region_of(cloud: str, zone: str) -> str:
+    """The region a zone lies in: AWS us-west-2b -> us-west-2, GCP europe-west4-a -> europe-west4; Azure's
+    zones are numbers within a region (its location), so the default one."""
+    if cloud == "aws":
+        return zone[:-1] if len(zone) > 1 and zone[-1].isalpha() else zone
+    if cloud == "gcp":
+        return zone.rsplit("-", 1)[0] if "-" in zone else zone
+    return PLACEMENT["azure"][2]
+
+
 def _param(query: dict[str, list[str]], name: str, default: str | None = None) -> str | None:
     values = query.get(name)
     return values[-1] if values else default
@@ -954,6 +1001,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="aws: whether GETs without a token are refused (401)")
     parser.add_argument("--vm-name", default="dash-spot-0")
     parser.add_argument("--life-cycle", choices=("spot", "on-demand"), default="spot")
+    parser.add_argument("--zone", default=None,
+                        help="the VM's zone (default: us-east-1a, us-central1-a, Azure 1; Azure '': no zone)")
+    parser.add_argument("--instance-type", default=None,
+                        help="the VM's instance type (default: g5.12xlarge, a2-highgpu-1g, Standard_NC24ads_A100_v4)")
+    parser.add_argument("--region", default=None, help="the VM's region (default: the zone's; Azure: eastus)")
     parser.add_argument("--ready-file", type=Path, default=None, help="write 127.0.0.1:PORT here once listening")
     parser.add_argument("--notice", metavar="KIND", default=None,
                         help="schedule this notice (terminate, preempt, ...) --notice-after seconds after start")
@@ -968,7 +1020,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())  # record only; the loop below acts
     try:
         fake = FakeMetadata(args.cloud, port=args.port, imdsv2=args.imdsv2, vm_name=args.vm_name,
-                            life_cycle=args.life_cycle).start()
+                            life_cycle=args.life_cycle, zone=args.zone, instance_type=args.instance_type,
+                            region=args.region).start()
     except (ValueError, OSError) as e:
         print(f"fake_metadata: error: {e}", file=sys.stderr)
         return 2

@@ -51,9 +51,9 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert getattr(action.type, "__qualname__", action.type) == getattr(mine.type, "__qualname__", mine.type)
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
-    assert own == ["agent_cpus", "cloud", "fresh", "hostfile", "job_id", "memd", "memd_wait", "metadata_endpoint",
-                   "no_tls", "operator_key", "poll_interval", "remote_python", "ssh_config", "tls_ca", "tls_fingerprint",
-                   "token_file", "version", "weak_token_ok"]
+    assert own == ["agent_cpus", "cloud", "failure_domain", "fresh", "hostfile", "job_id", "memd", "memd_wait",
+                   "metadata_endpoint", "no_tls", "operator_key", "poll_interval", "remote_python", "ssh_config",
+                   "tls_ca", "tls_fingerprint", "token_file", "version", "weak_token_ok"]
 
 
 def test_pet_environment_twins_work_as_in_torchrun(monkeypatch):
@@ -186,6 +186,8 @@ BAD_VALUES = [
     (["--metadata-endpoint", "http://169.254.169.254:99999"], "--metadata-endpoint 'http://169.254.169.254:99999'"),
     (["--poll-interval", "soon"], "argument --poll-interval/--poll_interval: invalid float value: 'soon'"),
     (["--poll-interval", "-1"], "--poll-interval -1.0 is not a number of seconds"),
+    (["--failure-domain", "us east"], "--failure-domain 'us east' is not ZONE or ZONE/POOL"),
+    (["--failure-domain", "a/b/c"], "--failure-domain 'a/b/c' is not ZONE or ZONE/POOL"),
     (["--memd-wait", "-1", *MEMD], "--memd-wait -1.0 is not a number of seconds"),
     (["--agent-cpus", "many"], "--agent-cpus 'many'"),
     (["--tls-ca", "no-such-ca.pem"], "cannot load --tls-ca"),
@@ -202,6 +204,7 @@ BAD_VALUES = [
     ([*HOSTS, "--rdzv-conf", "garbage"], "--rdzv-conf 'garbage': 'garbage' is not KEY=VALUE"),
     ([*HOSTS, "--memd", "host:port"], "--memd 'host:port' has an invalid port"),
     ([*HOSTS, "--tls-fingerprint", "SHA256:nope"], "--tls-fingerprint 'SHA256:nope' is not a SHA-256"),
+    ([*HOSTS, "--failure-domain", "zone/"], "--failure-domain 'zone/' is not ZONE or ZONE/POOL"),
     ([*HOSTS, "--ssh-config", "no-such-config"], "cannot read ssh config"),
 ]
 
@@ -483,3 +486,36 @@ def test_fresh_starts_over(finished_job):
     assert (out / "rank0.log").read_text().splitlines().count("start 0") == 2
     listing = json.loads(dashrun("ls", "cli", *memd_args(memd), "--json").stdout)
     assert listing["checkpoints"] == []
+
+
+def test_the_failure_domain_reaches_dash_agent_and_its_env_twin_works(launch_dir, monkeypatch):
+    from dashrun.launch.options import options_from_args
+    from dashrun.wire.messages import FailureDomain
+
+    def agent_command(*options: str) -> list[str]:
+        args = build_parser().parse_args(["--memd", "127.0.0.1:7070", "--token-file", "token", *options, "train.py"])
+        agent = launcher.AgentProcess(options_from_args(args))
+        try:
+            return agent.command(listen_fd=5)
+        finally:
+            shutil.rmtree(agent.socket_path.parent)
+
+    command = agent_command("--failure-domain", "us-east-1a/g5.12xlarge:spot")
+    assert command[command.index("--failure-domain") + 1] == "us-east-1a/g5.12xlarge:spot"
+    assert "--failure-domain" not in agent_command()  # dash-agent reads it from the metadata service
+    monkeypatch.setenv("DASH_FAILURE_DOMAIN", "rack-3")
+    command = agent_command()
+    assert command[command.index("--failure-domain") + 1] == "rack-3"
+    args = build_parser().parse_args(["--failure-domain", "z/p:on-demand", "train.py"])
+    assert options_from_args(args).failure_domain == FailureDomain("z", "p:on-demand", "on-demand")
+
+
+def test_dash_agent_refuses_a_bad_failure_domain_in_one_line(tmp_path, token_file):
+    result = run([sys.executable, "-m", "dashrun.agent", "--memd", "127.0.0.1:1", "--token-file", str(token_file),
+                  "--socket", str(tmp_path / "agent.sock"), "--cloud", "none"], env={"DASH_FAILURE_DOMAIN": "a b"},
+                 timeout=60)
+    assert result.returncode == 2, result.stderr
+    error, hint = result.stderr.splitlines()
+    assert error.startswith("dash-agent: error: --failure-domain 'a b' is not ZONE or ZONE/POOL"), error
+    assert hint.startswith("dash-agent: hint: ZONE or ZONE/POOL"), hint
+    assert not (tmp_path / "agent.sock").exists()

@@ -229,6 +229,7 @@ def test_resume_runs_only_a_spec_the_operator_signed(memd_factory, tmp_path):
     assert lines[0].startswith("job good: launch spec stored from node-1 ") and "signed by the operator" in lines[0]
     assert lines[1:3] == [f"would run in {work}:", f"  dashrun --nproc-per-node 1 --max-restarts 0 {script}"]
     assert "job_id=good" in lines[3] and "fresh=False" in lines[3] and f"memd={memd.address}" in lines[3]
+    assert "failure_domain=None" in lines[3]  # a stored --failure-domain named the node that launched the job
     assert lines[4].startswith("environment: this shell's")
     assert not marker.exists()
 

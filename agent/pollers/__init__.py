@@ -9,7 +9,8 @@ One small API for three clouds::
     poller.acknowledge(notice)                               # Azure: let the event start now (state is safe)
 
 or ``poller.run(on_notice, stop_event)`` in a thread of one's own, or
-``poller.poll_once()`` for one round.
+``poller.poll_once()`` for one round; ``poller.read(path)`` for one value of the
+service, bounded (how :mod:`dashrun.agent.identity` reads the VM's zone and type).
 
 What each poller watches (facts: shared/reference/cloud-metadata.md):
 

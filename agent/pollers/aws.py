@@ -16,8 +16,11 @@ import re
 import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
+from typing import Any
 
-from dashrun.agent.pollers.base import MetadataError, Poller, json_object
+import requests
+
+from dashrun.agent.pollers.base import MAX_READ, MetadataError, Poller, json_object
 from dashrun.wire.messages import Notice, NoticeKind
 
 __all__ = ["TOKEN_RE", "AwsPoller"]
@@ -73,25 +76,35 @@ class AwsPoller(Poller):
         self._token, self._token_expiry = token, time.monotonic() + min(ttl, self.token_ttl)
         return token
 
-    def _get(self, path: str) -> str | None:
-        """The body at ``path``; None for 404 (nothing there)."""
+    def _authorized_get(self, path: str, **kwargs: Any) -> requests.Response:
+        """GET ``path`` with a token (IMDSv1 where none could be had); a 401 renews the token once."""
         url = f"{self.base_url}/{path}"
         token = self._get_token()
-        r = self._request("GET", url, headers={self.TOKEN_HEADER: token} if token else {})
+        r = self._request("GET", url, headers={self.TOKEN_HEADER: token} if token else {}, **kwargs)
         if r.status_code == 401 and token is not None:
             # expired or revoked: drop it, get a new one, try once more (not a reason for IMDSv1)
+            r.close()
             self._token = None
             token = self._get_token()
-            r = self._request("GET", url, headers={self.TOKEN_HEADER: token} if token else {})
+            r = self._request("GET", url, headers={self.TOKEN_HEADER: token} if token else {}, **kwargs)
         if r.status_code == 401:
+            r.close()
             if token is None:
                 raise MetadataError("no token", f"{path}: IMDSv2 is required and no token could be had")
             self._token = None
             raise MetadataError("unauthorized", f"{path}: a fresh token was refused (401)")
+        return r
+
+    def _get(self, path: str) -> str | None:
+        """The body at ``path``; None for 404 (nothing there)."""
+        r = self._authorized_get(path)
         if r.status_code == 404:
             return None
         self._check(r, path)
         return r.text
+
+    def read(self, path: str, *, params: Mapping[str, str] | None = None, limit: int = MAX_READ) -> str | None:
+        return self._bounded_body(self._authorized_get(path, params=params, stream=True), path, limit)
 
     def poll_once(self) -> list[Notice]:
         notices: list[Notice] = []

@@ -27,9 +27,13 @@ from dashrun.util.problems import ProblemLog
 from dashrun.util.retry import Backoff
 from dashrun.wire.messages import Notice
 
-__all__ = ["MetadataError", "Poller", "json_object", "new_session", "short_error"]
+__all__ = ["MAX_READ", "MetadataError", "Poller", "json_object", "new_session", "short_error"]
 
 log = logging.getLogger(__name__)
+
+#: The most bytes :meth:`Poller.read` takes from a service by default: Azure's compute document is the
+#: largest answer read so; a value (a zone, an instance type) is far shorter.
+MAX_READ = 64 << 10
 
 
 class MetadataError(UnavailableError):
@@ -94,6 +98,41 @@ class Poller(abc.ABC):
     @abc.abstractmethod
     def poll_once(self) -> list[Notice]:
         """One round: every notice the service serves now (reported or not); MetadataError on a bad answer."""
+
+    def read(self, path: str, *, params: Mapping[str, str] | None = None, limit: int = MAX_READ) -> str | None:
+        """The text at ``path`` (below the base URL), asked with this cloud's headers: one value, for callers
+        other than the watch (``dashrun.agent.identity``). None where the service has nothing there (404);
+        MetadataError for anything else, an answer longer than ``limit`` bytes included."""
+        r = self._request("GET", f"{self.base_url}/{path}", headers=self._headers(), params=params, stream=True)
+        return self._bounded_body(r, path, limit)
+
+    def _headers(self) -> dict[str, str]:
+        """The headers this cloud's service wants on every request."""
+        return {}
+
+    def _bounded_body(self, r: requests.Response, what: str, limit: int) -> str | None:
+        """``r``'s body (a streamed response, closed here) as text of at most ``limit`` bytes; None for 404."""
+        try:
+            if r.status_code == 404:
+                return None
+            self._check(r, what)
+            length = r.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                raise MetadataError("too long", f"{what}: an answer of {length} bytes (at most {limit} taken)")
+            body = bytearray()
+            try:
+                for chunk in r.iter_content(4096):
+                    body += chunk
+                    if len(body) > limit:
+                        raise MetadataError("too long", f"{what}: an answer longer than {limit} bytes")
+            except requests.RequestException as e:
+                raise MetadataError("unreachable", f"{what}: the answer broke off ({short_error(e)})") from e
+            try:
+                return body.decode()
+            except UnicodeDecodeError:
+                raise MetadataError("garbage", f"{what}: the answer is not UTF-8 text") from None
+        finally:
+            r.close()
 
     def acknowledge(self, notice: Notice) -> bool:
         """Tell the cloud the VM is ready for ``notice``'s event; False where there is nothing to tell."""

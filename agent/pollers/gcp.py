@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Mapping
 
-from dashrun.agent.pollers.base import MetadataError, Poller
+from dashrun.agent.pollers.base import MAX_READ, MetadataError, Poller
 from dashrun.wire.messages import Notice, NoticeKind
 
 __all__ = ["GcpPoller"]
@@ -55,6 +55,16 @@ class GcpPoller(Poller):
         if r.headers.get("Metadata-Flavor") != "Google":
             raise MetadataError("garbage", f"{name}: the answer is not from a GCP metadata server")
         return r.text.strip(), r.headers.get("ETag")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Metadata-Flavor": "Google"}
+
+    def read(self, path: str, *, params: Mapping[str, str] | None = None, limit: int = MAX_READ) -> str | None:
+        r = self._request("GET", f"{self.base_url}/{path}", headers=self._headers(), params=params, stream=True)
+        if r.status_code == 200 and r.headers.get("Metadata-Flavor") != "Google":
+            r.close()
+            raise MetadataError("garbage", f"{path}: the answer is not from a GCP metadata server")
+        return self._bounded_body(r, path, limit)
 
     def poll_once(self) -> list[Notice]:
         notices: list[Notice] = []

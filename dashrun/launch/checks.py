@@ -20,6 +20,7 @@ from dashrun.env import DEFAULT_PORT
 from dashrun.errors import UsageError
 from dashrun.launch.placement import parse_agent_cpus
 from dashrun.util.units import parse_address
+from dashrun.wire.messages import FailureDomain
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["check_values", "max_nodes", "memd_address", "nnodes_range"]
@@ -226,6 +227,8 @@ def check_values(args: argparse.Namespace) -> None:
         memd_address(args.memd)
     _metadata_endpoint(args.metadata_endpoint)
     _seconds(args.poll_interval, "--poll-interval")
+    if args.failure_domain:
+        FailureDomain.parse(args.failure_domain)
     _seconds(args.memd_wait, "--memd-wait")
     parse_agent_cpus(args.agent_cpus)
     TlsSettings.from_options(args.no_tls, args.tls_ca, args.tls_fingerprint)

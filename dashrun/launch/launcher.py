@@ -131,19 +131,22 @@ class AgentProcess:
         self._stopping = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="dashrun-agent-supervisor", daemon=True)
 
-    def _start(self) -> None:
-        options = self.options
-        host, port = options.memd
+    def command(self, listen_fd: int) -> list[str]:
+        """The dash-agent command line, serving the ranks on the inherited descriptor ``listen_fd``."""
+        options, (host, port) = self.options, self.options.memd
         extra = (["--metadata-endpoint", options.metadata_endpoint] if options.metadata_endpoint else []) + (
             ["--poll-interval", str(options.poll_interval)] if options.poll_interval else []) + (
+            ["--failure-domain", options.failure_domain.label] if options.failure_domain else []) + (
             [] if self.prefetch else ["--no-prefetch"])
-        listen_fd = self._listener.fileno()
+        return [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file",
+                str(options.token_file), "--socket", str(self.socket_path), "--listen-fd", str(listen_fd),
+                "--parent-pid", str(os.getpid()), "--job-id", options.job_id, "--cloud", options.cloud,
+                *options.tls.args(), *extra]
+
+    def _start(self) -> None:
+        fd = self._listener.fileno()
         with thread_affinity(self.cpus):  # the agent and every thread it starts inherit this thread's CPUs
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file",
-                 str(options.token_file), "--socket", str(self.socket_path), "--listen-fd", str(listen_fd),
-                 "--parent-pid", str(os.getpid()), "--job-id", options.job_id, "--cloud", options.cloud,
-                 *options.tls.args(), *extra], pass_fds=(listen_fd,), start_new_session=True)
+            self.proc = subprocess.Popen(self.command(fd), pass_fds=(fd,), start_new_session=True)
 
     def __enter__(self) -> AgentProcess:
         try:

@@ -31,6 +31,7 @@ from dashrun.launch.placement import AUTO, AgentCpus, parse_agent_cpus
 from dashrun.util.tokens import read_token
 from dashrun.version import __version__
 from dashrun.wire.credentials import Credential
+from dashrun.wire.messages import FailureDomain
 from dashrun.wire.operator import load_private_key
 from dashrun.wire.protocol import valid_job_id
 from dashrun.wire.tls import TlsSettings
@@ -72,6 +73,7 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("cloud", ("--cloud",)),
     OptionName("metadata_endpoint", ("--metadata-endpoint", "--metadata_endpoint")),
     OptionName("poll_interval", ("--poll-interval", "--poll_interval")),
+    OptionName("failure_domain", ("--failure-domain", "--failure_domain")),
     OptionName("hostfile", ("--hostfile",)),
     OptionName("ssh_config", ("--ssh-config", "--ssh_config")),
     OptionName("remote_python", ("--remote-python", "--remote_python")),
@@ -102,6 +104,7 @@ class LaunchOptions:
     cloud: str = "auto"
     metadata_endpoint: str | None = None
     poll_interval: float | None = None
+    failure_domain: FailureDomain | None = None  # None: dash-agent reads it from the metadata service
     tls: TlsSettings = TlsSettings()
     agent_cpus: AgentCpus = AUTO  # where dash-agent runs: auto, none or its CPUs (dashrun.launch.placement)
     operator_key: Path | None = None  # signs the launch spec (dashrun.wire.operator)
@@ -145,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     NAMES["poll_interval"].add_to(group, type=float, default=env.get(env.POLL_INTERVAL), metavar="SECONDS",
                                   help=f"seconds between metadata polls (env {env.POLL_INTERVAL.name}; "
                                        "default: each cloud's).")
+    NAMES["failure_domain"].add_to(group, default=env.get(env.FAILURE_DOMAIN), metavar="ZONE[/POOL]",
+                                   help=f"this node's failure domain, which replicas of its state are placed away "
+                                        f"from (env {env.FAILURE_DOMAIN.name}; default: the zone, instance type and "
+                                        "market the metadata service gives, e.g. us-east-1a/g5.12xlarge:spot).")
     NAMES["hostfile"].add_to(group, default=env.get(env.HOSTFILE), metavar="FILE",
                              help=f"start dashrun on every host of FILE ('HOST slots=N' per line) over SSH, with "
                                   f"--nnodes, --nproc-per-node and a c10d rendezvous on the first host decided for "
@@ -277,18 +284,20 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if tls.ca is not None:
         _load_ca(tls.ca)
     agent_cpus = parse_agent_cpus(args.agent_cpus)
+    failure_domain = FailureDomain.parse(args.failure_domain) if args.failure_domain else None
     if args.memd is None:
         require_shared_memd(args, max_nodes(args), "nodes")
         return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
-                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval, tls=tls,
-                             agent_cpus=agent_cpus, operator_key=operator_key, memd_wait=args.memd_wait)
+                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval,
+                             failure_domain=failure_domain, tls=tls, agent_cpus=agent_cpus,
+                             operator_key=operator_key, memd_wait=args.memd_wait)
     require_token_file(args.memd, args.token_file)
     token_file = Path(args.token_file)
     Credential.parse(read_token(token_file)).for_job(job_id)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,
                          cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
-                         poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus, operator_key=operator_key,
-                         memd_wait=args.memd_wait)
+                         poll_interval=args.poll_interval, failure_domain=failure_domain, tls=tls,
+                         agent_cpus=agent_cpus, operator_key=operator_key, memd_wait=args.memd_wait)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:

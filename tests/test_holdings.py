@@ -17,7 +17,7 @@ from dashrun.wire import holdings
 from dashrun.wire.credentials import Credential
 from dashrun.wire.holdings import HeldShard, Holder, Holdings, Member, NodeView
 from dashrun.wire.memd_client import MemdClient
-from dashrun.wire.messages import CheckpointInfo, MembershipEvent, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, FailureDomain, MembershipEvent, ShardHeader
 from dashrun.wire.protocol import crc32c
 from dashrun.wire.tls import TlsSettings
 
@@ -59,10 +59,10 @@ def test_holders_are_the_nodes_with_the_same_bytes_and_an_announcement_expires()
     made = shards("j", 5)
     info = info_of("j", 5, made)
     (h0, _), (h1, _) = made
-    assert registry.announce(announcement("j", "a", 7001, [h0], domain={"zone": "z1", "pool": "p", "market": ""})) \
+    assert registry.announce(announcement("j", "a", 7001, [h0], domain=FailureDomain("z1", "p"))) \
         == []
     others = registry.announce(announcement("j", "b", 7002, [h1, h0], owner="a"))
-    assert others == [Member("a", "127.0.0.1", 7001, {"zone": "z1", "pool": "p", "market": ""})]
+    assert others == [Member("a", "127.0.0.1", 7001, FailureDomain("z1", "p"))]
     stale = dataclasses.replace(h1, crc=h1.crc ^ 1)  # other bytes of the same rank: not a holder of these
     registry.announce(announcement("j", "c", 7003, [stale]))
     registry.announce(announcement("j", "d", 0, [h0]))  # holds it but takes no peers
@@ -113,8 +113,8 @@ def test_a_job_announces_a_bounded_number_of_nodes_and_bytes(monkeypatch):
     ({"host": "x" * 300}, "host"),
     ({"port": 70000}, "port"),
     ({"replicas": -1}, "replicas"),
-    ({"domain": {"zone": "z" * 300}}, "domain.zone"),
-    ({"domain": {"rack": "r"}}, "domain"),
+    ({"domain": {"zone": "z" * 300}}, "zone"),
+    ({"domain": {"zone": "a b"}}, "domain"),
     ({"domain": "zone-a"}, "domain"),
     ({"shards": [{"shard": "x"}]}, "held shard"),
 ])
@@ -149,7 +149,7 @@ def test_dash_memd_names_the_holders_of_the_checkpoint_a_restore_asks_for(memd):
             operator.put_shard(header, [payload])
         assert a.announce(announcement(job, "node-a", 7001, [made[0][0]])).members == []
         answer = b.announce(announcement(job, "node-b", 7002, [made[1][0], made[0][0]], owner="node-a",
-                                         domain={"zone": "z2", "pool": "p", "market": "spot"}))
+                                         domain=FailureDomain.parse("z2/p:spot")))
         assert [m.node for m in answer.members] == ["node-a"] and answer.committed == 4
         located = a.locate(job)
         assert located.info.step == 4 and located.in_memd
@@ -158,7 +158,7 @@ def test_dash_memd_names_the_holders_of_the_checkpoint_a_restore_asks_for(memd):
         assert operator.latest(job) == located.info  # a client that asks LATEST as before gets the checkpoint alone
         _, _, view = operator.fleet_view(job)
         assert [(n.node, n.steps, n.domain) for n in view] == [
-            ("node-a", {4: ["node-a"]}, None), ("node-b", {4: ["node-a"]}, {"zone": "z2", "pool": "p", "market": "spot"})]
+            ("node-a", {4: ["node-a"]}, None), ("node-b", {4: ["node-a"]}, FailureDomain.parse("z2/p:spot"))]
         with pytest.raises(ForbiddenError):  # a job's credential announces for its own job only
             a.announce(announcement("other", "node-a", 7001, []))
         operator.record_membership(job, MembershipEvent(0.0, "node-a", "died", "gone", 1, 1))
@@ -168,7 +168,7 @@ def test_dash_memd_names_the_holders_of_the_checkpoint_a_restore_asks_for(memd):
                                  "--token-file", str(memd.token_file)], capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stderr
         assert re.search(r"^  step 4: dash-memd \((disk, )?ram\), node-b$", status.stdout, re.M), status.stdout
-        assert "node-b  z2/p (spot)  replicas 1  holds node-a's (step 4)" in status.stdout
+        assert "node-b  z2/p:spot  replicas 1  holds node-a's (step 4)" in status.stdout
 
 
 # --- the commit on the fleet ------------------------------------------------------------------

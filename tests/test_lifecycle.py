@@ -445,15 +445,15 @@ def test_a_shard_read_back_from_the_bucket_is_counted_in_ram_while_it_lingers():
     """The case the machine above found in CI: step 1 trimmed from disk, read back from the bucket (the download
     stays in RAM a while for the next range of it), and the RAM in use must count that buffer."""
     machine = Lifecycle()
-    invariants = [machine.no_errors, machine.nothing_deleted_left_on_disk,
+    checks = [machine.no_errors, machine.nothing_deleted_left_on_disk,
                   machine.nothing_lost_nothing_back_bytes_verified, machine.observe_durable, machine.ram_accounting]
     try:
-        for rule in (lambda: machine.deliver(job="a", layout=0, step=1), machine.settle,
+        for step in (lambda: machine.deliver(job="a", layout=0, step=1), machine.settle,
                      lambda: machine.deliver(job="a", layout=0, step=2),
                      lambda: machine.deliver(job="a", layout=0, step=3), machine.settle):
-            rule()
-            for invariant in invariants:
-                invariant()
+            step()
+            for check in checks:
+                check()
     finally:
         machine.teardown()
 

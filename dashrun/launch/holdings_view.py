@@ -7,15 +7,13 @@ what they hold (:mod:`dashrun.memd.fleet.holdings`); see docs/replicas.md.
 from __future__ import annotations
 
 from dashrun.wire.holdings import NodeView
+from dashrun.wire.messages import FailureDomain
 
 __all__ = ["holdings_lines"]
 
 
-def _domain_text(domain: dict | None) -> str:
-    if not domain:
-        return "domain unknown"
-    text = "/".join(part for part in (domain.get("zone"), domain.get("pool")) if part) or "domain unknown"
-    return text + (f" ({domain['market']})" if domain.get("market") else "")
+def _domain_text(domain: FailureDomain | None) -> str:
+    return domain.label if domain is not None and domain.known else "domain unknown"
 
 
 def holdings_lines(job: str, entry: dict, held: list[NodeView]) -> list[str]:

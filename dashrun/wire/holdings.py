@@ -20,10 +20,10 @@ import re
 from typing import Any, Mapping
 
 from dashrun.errors import ProtocolError
-from dashrun.wire.messages import CheckpointInfo, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, FailureDomain, ShardHeader
 from dashrun.wire.protocol import MAX_WORLD, field_bool, field_int, field_job, field_str
 
-__all__ = ["ANNOUNCE_PERIOD", "Announced", "Located", "HOLDINGS_TTL", "MAX_DOMAIN_TEXT", "MAX_HELD", "MAX_MEMBERS", "HeldShard", "Holder",
+__all__ = ["ANNOUNCE_PERIOD", "Announced", "Located", "HOLDINGS_TTL", "MAX_HELD", "MAX_MEMBERS", "HeldShard", "Holder",
            "Holdings", "Member", "NodeView", "field_domain", "holders_from_body", "holders_to_body"]
 
 #: Seconds between a dash-agent's announcements of what it holds.
@@ -34,26 +34,13 @@ HOLDINGS_TTL = 5 * ANNOUNCE_PERIOD
 MAX_HELD = 1024
 #: Members a reply lists at most.
 MAX_MEMBERS = 1024
-#: Longest zone, pool or market text of a failure domain.
-MAX_DOMAIN_TEXT = 255
 _HOST = re.compile(r"[A-Za-z0-9.:_%-]{1,255}")
-_DOMAIN_FIELDS = ("zone", "pool", "market")
 
 
-def field_domain(body: Mapping[str, Any], name: str = "domain") -> dict[str, str] | None:
-    """A failure domain as a peer sent it: None, or an object of printable ``zone``, ``pool``, ``market`` text."""
+def field_domain(body: Mapping[str, Any], name: str = "domain") -> FailureDomain | None:
+    """A failure domain as a peer sent it: None (not known), or one :class:`FailureDomain` checks."""
     raw = body.get(name)
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or set(raw) - set(_DOMAIN_FIELDS):
-        raise ProtocolError(f"field '{name}' must be an object of {', '.join(_DOMAIN_FIELDS)}")
-    domain = {}
-    for key in _DOMAIN_FIELDS:
-        value = raw.get(key, "")
-        if not isinstance(value, str) or len(value) > MAX_DOMAIN_TEXT or not value.isprintable():
-            raise ProtocolError(f"field '{name}.{key}' must be printable text of at most {MAX_DOMAIN_TEXT} characters")
-        domain[key] = value
-    return domain
+    return None if raw is None else FailureDomain.from_body(raw)
 
 
 def _field_node(body: Mapping[str, Any], name: str = "node") -> str:
@@ -93,12 +80,13 @@ class Holdings:
     host: str
     port: int
     replicas: int = 0
-    domain: dict[str, str] | None = None
+    domain: FailureDomain | None = None
     shards: tuple[HeldShard, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
         return {"job": self.job, "node": self.node, "host": self.host, "port": self.port, "replicas": self.replicas,
-                "domain": self.domain, "shards": [held.to_body() for held in self.shards]}
+                "domain": self.domain.to_body() if self.domain else None,
+                "shards": [held.to_body() for held in self.shards]}
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Holdings:
@@ -141,10 +129,11 @@ class Member:
     node: str
     host: str
     port: int
-    domain: dict[str, str] | None = None
+    domain: FailureDomain | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {"node": self.node, "host": self.host, "port": self.port, "domain": self.domain}
+        return {"node": self.node, "host": self.host, "port": self.port,
+                "domain": self.domain.to_body() if self.domain else None}
 
     @classmethod
     def from_body(cls, body: Any) -> Member:
@@ -160,7 +149,7 @@ class NodeView:
     shards elsewhere (``replicas``), and for each step it holds, whose shards (node names)."""
 
     node: str
-    domain: dict[str, str] | None
+    domain: FailureDomain | None
     replicas: int
     steps: dict[int, list[str]]
 

@@ -139,7 +139,9 @@ class Registry:
             steps: dict[int, set[str]] = {}
             for copy in entry.holdings.shards:
                 steps.setdefault(copy.shard.step, set()).add(copy.owner)
-            view.append({"node": node, "domain": entry.holdings.domain, "replicas": entry.holdings.replicas,
+            domain = entry.holdings.domain
+            view.append({"node": node, "domain": domain.to_body() if domain else None,
+                         "replicas": entry.holdings.replicas,
                          "steps": {str(step): sorted(owners) for step, owners in sorted(steps.items())}})
         return view
 

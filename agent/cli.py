@@ -83,13 +83,16 @@ log = logging.getLogger(PROGRAM)
 @click.option("--peer-memory-limit", envvar=env.PEER_MEMORY_LIMIT.name, show_envvar=True, default=None,
               metavar="SIZE", help="Memory for shards kept by this agent, like 8GiB (default: 8GiB with --replicas, "
                                    "else 0: none kept).")
+@click.option("--node", envvar=env.NODE.name, show_envvar=True, default=None, metavar="NAME",
+              help="This node's name among the job's nodes, which dash-memd lists (default: its host name; each "
+                   "node's must be its own).")
 @click.option("--peer", "peers", envvar=env.PEERS.name, show_envvar=True, multiple=True, metavar="HOST:PORT",
               help="For tests: an agent this node's replicas go to (repeat it), in place of dash-memd's registry.")
 @click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
               help="DEBUG, INFO or WARNING.")
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
         metadata_endpoint, poll_interval, failure_domain, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
-        peer_port, peer_memory_limit, peers, log_level) -> None:
+        peer_port, peer_memory_limit, node, peers, log_level) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
@@ -101,7 +104,7 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          tls=TlsSettings.from_options(no_tls, tls_ca, tls_fingerprint), prefetch=not no_prefetch,
                          replicas=replicas, peer_port=peer_port,
                          peer_memory_limit=None if peer_memory_limit is None else parse_size(peer_memory_limit),
-                         peers=tuple(_peer(text) for text in peers))
+                         peers=tuple(_peer(text) for text in peers), **({"node": node} if node else {}))
     sys.exit(run(config))
 
 

@@ -37,6 +37,7 @@ from dashrun.agent.peers.store import Store
 from dashrun.errors import ChecksumError, DashError, NotFoundError, UnavailableError
 from dashrun.util.files import unmap
 from dashrun.wire import layout
+from dashrun.wire.holdings import Located
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.planner import (
@@ -63,6 +64,9 @@ CORRUPT_FALLBACKS = 5
 
 #: Seconds a connection to dash-memd may wait idle in the pool for the next restore.
 IDLE_CLIENT = 30.0
+
+#: dash-memd's answers (a checkpoint's holders) a restore cache remembers, the newest.
+KEEP_LOCATED = 16
 
 #: Bytes of a restore image given memory at a time ahead of the streams that fill it.
 ALLOCATE_STEP = 8 << 20
@@ -170,6 +174,7 @@ class RestoreCache:
         self._lock = threading.Lock()
         self._fetching: dict[str, threading.Lock] = {}
         self._images: dict[tuple[str, int], RestoreImage] = {}
+        self._located: dict[tuple[str, int, float], Located] = {}  # dash-memd's answers: holders of each checkpoint
         self._waiting = 0  # ranks in get(): a fetch meanwhile is what they wait for (guarded by _lock)
 
     def get(self, job: str, step: int | None, ranks: Collection[int] | None = None,
@@ -215,10 +220,11 @@ class RestoreCache:
         return None
 
     def _latest(self, client: MemdClient, job: str, step: int | None) -> CheckpointInfo | None:
-        """dash-memd's newest committed checkpoint (or ``step``); while dash-memd cannot be reached, the newest
-        committed one whose every shard this agent's store holds."""
+        """dash-memd's newest committed checkpoint (or ``step``), also one committed on the fleet only, whose
+        holders it names (:meth:`_holders_of`); while dash-memd cannot be reached, the newest committed one whose
+        every shard this agent's store holds."""
         try:
-            return client.latest(job, step)
+            located = client.locate(job, step)
         except UnavailableError as e:
             held = self.store.checkpoint(job, step) if self.store is not None else None
             if held is None:
@@ -226,6 +232,24 @@ class RestoreCache:
             log.warning("dash-memd is unreachable (%s): restoring %s step %d from this agent's store", e, job,
                         held.step)
             return held
+        if located is None:
+            return None
+        with self._lock:
+            self._located[(job, located.info.step, located.info.committed_at)] = located
+            while len(self._located) > KEEP_LOCATED:
+                del self._located[next(iter(self._located))]
+        return located.info
+
+    def _holders_of(self, info: CheckpointInfo) -> dict[int, list[Peer]]:
+        """The other nodes holding each saved rank's shard of ``info``: as dash-memd named them when it answered
+        with ``info``, else as the agent's ``holders`` says (tests' --peer)."""
+        with self._lock:
+            located = self._located.get((info.job, info.step, info.committed_at))
+        named = {}
+        if located is not None:
+            named = {rank: others for rank, found in located.holders.items()
+                     if (others := [(h.node, h.host, h.port) for h in found if h.node != self.config.node])}
+        return named or (self.holders(info) if self.holders is not None else {})
 
     def prefetch(self, job: str) -> None:
         """Fetch the job's newest checkpoint now, for the ranks that are about to ask for it."""
@@ -313,14 +337,14 @@ class RestoreCache:
         if self.store is not None and all(self.store.holds(info.job, info.step, shard.rank, shard.crc)
                                           for shard in slices):
             return True
-        return self.holders is not None and self.peer_connect is not None and bool(self.holders(info))
+        return self.peer_connect is not None and bool(self._holders_of(info))
 
     def _sources(self, image: RestoreImage) -> list[Source]:
         """Where a restore's bytes come from, fastest first: the image, this agent's store, peers, dash-memd."""
         sources: list[Source] = [NodeCopy(image.held)]
         if self.store is not None:
             sources.append(HeldSource(self.store))
-        holders = self.holders(image.info) if self.holders is not None and self.peer_connect is not None else {}
+        holders = self._holders_of(image.info) if self.peer_connect is not None else {}
         if holders:
             sources.append(PeerSource(holders, self._peer, self.config.node, self.config.restore_streams))
         sources.append(MemdSource(self.clients.client, self.config.restore_streams, waited_on=self._waited_on))

@@ -31,9 +31,13 @@ import time
 
 from typing import Callable
 
+from dashrun.agent.announcer import Announcer
 from dashrun.agent.config import AgentConfig
+from dashrun.agent.identity import this_domain
 from dashrun.agent.peers.client import PeerClient
 from dashrun.agent.peers.own import OwnCopy
+from dashrun.agent.peers.placement import Member as Placed
+from dashrun.agent.peers.placement import choose_holders
 from dashrun.agent.peers.replicas import Peer, Replicator
 from dashrun.agent.peers.server import PeerServer
 from dashrun.agent.peers.store import Store
@@ -47,7 +51,8 @@ from dashrun.util.files import write_atomic
 from dashrun.util.problems import ProblemLog
 from dashrun.util.units import format_size
 from dashrun.wire.credentials import Credential
-from dashrun.wire.messages import CheckpointInfo, Notice, ShardHeader
+from dashrun.wire.holdings import Announced, HeldShard
+from dashrun.wire.messages import CheckpointInfo, FailureDomain, Notice, ShardHeader
 
 __all__ = ["AgentServer", "outbound_address"]
 
@@ -67,11 +72,14 @@ class AgentServer:
         self._store_problems = ProblemLog(log)
         #: (node, host, port) of the agents this node's replicas go to, in order of preference; the fleet's
         #: registry replaces this function (by default: the --peer options)
-        self.holders: Callable[[], list[Peer]] = lambda: list(self.config.peers)
+        self.holders: Callable[[], list[Peer]] = lambda: list(self.config.peers) or list(self._placement)
         #: per saved rank, the peers that hold its shard of a checkpoint a restore reads (by default: --peer)
         self.restore_holders: Callable[[CheckpointInfo], dict[int, list[Peer]]] = self._given_holders
         self.peer_server: PeerServer | None = None
         self.replicator: Replicator | None = None
+        self.announcer: Announcer | None = None
+        self.domain: FailureDomain | None = None  # this node's, read once at start (None: not yet)
+        self._placement: list[Peer] = []  # where this node's replicas go, from the newest announcement's answer
         self._credential: Credential | None = None
         self.restores = RestoreCache(config, store=self.store, holders=lambda info: self.restore_holders(info),
                                      peer_connect=self.peer_client)
@@ -111,7 +119,41 @@ class AgentServer:
         return self._credential
 
     def _given_holders(self, info: CheckpointInfo) -> dict[int, list[Peer]]:
+        """--peer's agents, which tests give in place of the fleet's registry, as holders of every shard."""
         return {rank: list(self.config.peers) for rank in range(info.world)} if self.config.peers else {}
+
+    # --- the fleet's registry ------------------------------------------------------------------
+
+    def _join_fleet(self) -> None:
+        """Read this node's failure domain once, then announce what it holds every few seconds."""
+        config = self.config
+        self.domain = this_domain(config.failure_domain, config.cloud, config.metadata_endpoint)
+        self.announcer = Announcer(config.memd_client, config.job, config.node, address=self._announced_address,
+                                   held=self._held, answered=self._on_answer, replicas=config.replicas,
+                                   domain=self.domain if self.domain.known else None)
+        self.store.changed = self.announcer.changed
+        if not self._stopping.is_set():
+            self.announcer.start()
+
+    def _announced_address(self) -> tuple[str, int]:
+        return self.peer_address or ("-", 0)  # port 0: no peer reads from this node
+
+    def _held(self) -> list[HeldShard]:
+        return [HeldShard(held.header, held.owner, held.committed) for held in self.store.holdings(self.config.job)]
+
+    def _on_answer(self, answer: Announced) -> None:
+        """dash-memd's answer: older copies go once a newer step is committed; this node's replicas go to the
+        holders placement chooses from the members (another zone and pool first)."""
+        if answer.committed is not None:
+            self.store.committed(self.config.job, answer.committed)
+        reachable = {m.node: m for m in answer.members if m.port}
+        placed = choose_holders(self.config.node, [Placed(self.config.node, self.domain or FailureDomain()),
+                                                   *(Placed(m.node, m.domain or FailureDomain())
+                                                     for m in reachable.values())], self.config.replicas)
+        placement = [(node, reachable[node].host, reachable[node].port) for node in placed]
+        if placement != self._placement:
+            log.info("this node's replicas go to %s", ", ".join(p[0] for p in placement) or "no other node yet")
+        self._placement = placement
 
     def _start_peers(self) -> None:
         """Serve the job's other agents, and send them this node's replicas (a job with replicas only)."""
@@ -164,6 +206,8 @@ class AgentServer:
         if self.config.cloud != "none":
             # Detecting the cloud can take a second: ranks are served meanwhile.
             threading.Thread(target=self._watch_notices, name="agent-notices", daemon=True).start()
+        if self.config.job is not None and self.store is not None:
+            threading.Thread(target=self._join_fleet, name="agent-fleet", daemon=True).start()
 
     # --- interruption notices -------------------------------------------------------------
 
@@ -302,6 +346,8 @@ class AgentServer:
         if self.replicator is not None:
             self.replicator.wait_idle(max(0.0, deadline - time.monotonic()))
             self.replicator.stop()
+        if self.announcer is not None:
+            self.announcer.stop()
         if self.peer_server is not None:
             self.peer_server.stop()
         self.restores.expire(everything=True)

@@ -122,6 +122,8 @@ PEER_MEMORY_LIMIT = Var("DASH_PEER_MEMORY_LIMIT", "bytes of shards dash-agent ke
                         "snapshot and other nodes' replicas", "user", "dash-agent")
 REPLICAS = Var("DASH_REPLICAS", "other nodes that hold a copy of each node's snapshot in their agent's memory", "user",
                "dash-agent")
+NODE = Var("DASH_NODE", "this node's name among the job's nodes (default: its host name): unique per node",
+           "user, tests", "dash-agent")
 PEERS = Var("DASH_PEERS", "HOST:PORT of the agents this node's replicas go to, given by hand (tests)", "tests",
             "dash-agent")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
@@ -133,7 +135,7 @@ ALL: tuple[Var, ...] = (
     MEMD_TIMEOUT, DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED,
     AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY,
     TLS_CA, AGENT_CPUS, TLS_FINGERPRINT, INSECURE_PLAINTEXT, ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB,
-    KEYS_OUT, WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY, PEER_PORT, PEER_MEMORY_LIMIT, REPLICAS, PEERS,
+    KEYS_OUT, WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY, PEER_PORT, PEER_MEMORY_LIMIT, REPLICAS, NODE, PEERS,
     CRASH_AT,
 )
 

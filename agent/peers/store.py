@@ -144,6 +144,9 @@ class Store:
         self._used = 0  # bytes of every segment alive: held, being filled, free, dropped but still read
         self._newest_committed: dict[str, int] = {}
         self._closed = False
+        #: told (under the store's lock: it must not block) whenever what the store holds changes, so that the
+        #: agent announces it at once (:mod:`dashrun.agent.announcer`)
+        self.changed: Callable[[], None] = lambda: None
 
     # --- filling --------------------------------------------------------------------------
 
@@ -222,6 +225,7 @@ class Store:
             newest = self._newest_committed.get(header.job)
             self._held[key] = _Held(header, owner, segment, marks,
                                     committed=newest is not None and header.step == newest)
+            self.changed()
 
     def _give_back(self, segment: _Segment) -> None:
         with self._lock:
@@ -256,6 +260,7 @@ class Store:
                     held.committed = True
                 elif key[1] < step:
                     self._drop(key)
+            self.changed()
 
     # --- reading ----------------------------------------------------------------------------
 

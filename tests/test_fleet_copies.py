@@ -1,0 +1,72 @@
+"""Copies in the fleet's own RAM, placed from dash-memd's registry: real dash-agents and dash-memd on loopback.
+
+The nodes announce what they hold; each places its replicas on a node of another failure domain that
+dash-memd's answer names; ``dashrun status`` shows the placement; and after dash-memd restarts with an
+empty data dir, the step the nodes hold is committed again from their announcements and a new node
+restores it from their copies, none of it from dash-memd.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import wait_for
+from test_checkpointer import save_world, trained_objects
+
+JOB = "fleetcopies"
+
+
+def fleet_env(node: str, domain: str) -> dict:
+    return {"DASH_JOB_ID": JOB, "DASH_REPLICAS": "1", "DASH_PEER_PORT": "0", "DASH_PEER_MEMORY_LIMIT": "64MiB",
+            "DASH_NODE": node, "DASH_FAILURE_DOMAIN": domain}
+
+
+def holdings(memd) -> dict[str, dict[int, list[str]]]:
+    with memd.client() as client:
+        return {node.node: node.steps for node in client.fleet_view(JOB)[2]}
+
+
+def test_replicas_are_placed_from_the_registry_and_restored_from_after_dash_memd_restarts_empty(
+        memd_factory, agent_factory, rank_env, tmp_path):
+    memd = memd_factory("--memory-limit", "256MiB")
+    same_zone = agent_factory(memd, env=fleet_env("n1", "z1/p1"))
+    agent_factory(memd, env=fleet_env("n2", "z1/p1"))
+    other_zone = agent_factory(memd, env=fleet_env("n3", "z2/p2"))
+    wait_for(lambda: set(holdings(memd)) == {"n1", "n2", "n3"}, what="the three nodes to announce themselves")
+    wait_for(lambda: "this node's replicas go to n3" in same_zone.log(), what="n1 to place its replicas")
+
+    model, opt, sched = trained_objects()
+    save_world(rank_env, same_zone, JOB, 2, 6, model, opt, sched, [3, 4])
+    # n1's copies go to n3 (another zone and pool), not to n2 (its own domain)
+    wait_for(lambda: holdings(memd).get("n3", {}).get(6) == ["n1"], what="n3 to hold n1's step 6")
+    assert holdings(memd)["n1"] == {6: ["n1"]} and 6 not in holdings(memd)["n2"]
+    with memd.client() as client:
+        located = client.locate(JOB)
+        info = located.info
+    assert located.in_memd and {h.node for found in located.holders.values() for h in found} == {"n1", "n3"}
+
+    status = subprocess.run([sys.executable, "-m", "dashrun", "status", JOB, "--memd", memd.address,
+                             "--token-file", str(memd.token_file)], capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert re.search(r"^  step 6: dash-memd \([a-z, ]+\), n1, n3$", status.stdout, re.M), status.stdout
+    assert "n3  z2/p2  replicas 1  holds n1's (step 6)" in status.stdout
+
+    # dash-memd restarts with nothing: the nodes announce again, and what they hold, committed, is the job's.
+    port = memd.port
+    memd.stop()
+    empty = memd_factory("--memory-limit", "256MiB", data_dir=tmp_path / "empty")
+    empty.stop()
+    empty.start(port=port)
+    with empty.client() as client:
+        assert client.latest(JOB) is None  # dash-memd itself holds nothing
+        wait_for(lambda: (found := client.locate(JOB)) is not None and found.info.step == 6,
+                 what="the step the nodes hold to be committed again")
+        located = client.locate(JOB)
+    assert not located.in_memd and [s.crc for s in located.info.shards] == [s.crc for s in info.shards]
+
+    newcomer = agent_factory(empty, env=fleet_env("n4", "z3/p3"))
+    fetched = wait_for(lambda: re.search(rf"fetched {JOB} step 6 \((.*)\)", newcomer.log()),
+                       what="the new node's fetch of step 6")
+    assert fetched.group(1) == f"{info.nbytes} bytes from peers", fetched.group(0)

@@ -33,7 +33,7 @@ def test_replicas_are_placed_from_the_registry_and_restored_from_after_dash_memd
     memd = memd_factory("--memory-limit", "256MiB")
     same_zone = agent_factory(memd, env=fleet_env("n1", "z1/p1"))
     agent_factory(memd, env=fleet_env("n2", "z1/p1"))
-    other_zone = agent_factory(memd, env=fleet_env("n3", "z2/p2"))
+    agent_factory(memd, env=fleet_env("n3", "z2/p2"))
     wait_for(lambda: set(holdings(memd)) == {"n1", "n2", "n3"}, what="the three nodes to announce themselves")
     wait_for(lambda: "this node's replicas go to n3" in same_zone.log(), what="n1 to place its replicas")
 

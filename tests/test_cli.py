@@ -52,8 +52,9 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
     assert own == ["agent_cpus", "cloud", "failure_domain", "fresh", "hostfile", "job_id", "memd", "memd_wait",
-                   "metadata_endpoint", "no_tls", "operator_key", "poll_interval", "remote_python", "ssh_config",
-                   "tls_ca", "tls_fingerprint", "token_file", "version", "weak_token_ok"]
+                   "metadata_endpoint", "no_tls", "operator_key", "peer_memory_limit", "peer_port", "poll_interval",
+                   "remote_python", "replicas", "ssh_config", "tls_ca", "tls_fingerprint", "token_file", "version",
+                   "weak_token_ok"]
 
 
 def test_pet_environment_twins_work_as_in_torchrun(monkeypatch):
@@ -188,6 +189,13 @@ BAD_VALUES = [
     (["--poll-interval", "-1"], "--poll-interval -1.0 is not a number of seconds"),
     (["--failure-domain", "us east"], "--failure-domain 'us east' is not ZONE or ZONE/POOL"),
     (["--failure-domain", "a/b/c"], "--failure-domain 'a/b/c' is not ZONE or ZONE/POOL"),
+    (["--replicas", "1"], "--replicas 1 needs 1 other nodes to hold each node's copies, and --nnodes 1:1 gives a "
+                          "node 0 others at most"),
+    (["--replicas", "2", "--nnodes", "1:2", *MEMD], "--replicas 2 needs 2 other nodes to hold each node's copies, and "
+                                                    "--nnodes 1:2 gives a node 1 other at most"),
+    (["--replicas", "-1"], "--replicas -1 is not a whole number >= 0"),
+    (["--peer-port", "70000"], "--peer-port 70000 is not a whole number from 0 to 65535"),
+    (["--peer-memory-limit", "lots"], "--peer-memory-limit: not a size: 'lots'"),
     (["--memd-wait", "-1", *MEMD], "--memd-wait -1.0 is not a number of seconds"),
     (["--agent-cpus", "many"], "--agent-cpus 'many'"),
     (["--tls-ca", "no-such-ca.pem"], "cannot load --tls-ca"),
@@ -508,6 +516,29 @@ def test_the_failure_domain_reaches_dash_agent_and_its_env_twin_works(launch_dir
     assert command[command.index("--failure-domain") + 1] == "rack-3"
     args = build_parser().parse_args(["--failure-domain", "z/p:on-demand", "train.py"])
     assert options_from_args(args).failure_domain == FailureDomain("z", "p:on-demand", "on-demand")
+
+
+def test_replicas_default_to_one_on_two_nodes_and_reach_dash_agent_with_the_peer_options(launch_dir, monkeypatch):
+    from dashrun.launch.options import options_from_args
+
+    def agent_command(*options: str) -> list[str]:
+        args = build_parser().parse_args(["--memd", "127.0.0.1:7070", "--token-file", "token", *options, "train.py"])
+        agent = launcher.AgentProcess(options_from_args(args))
+        try:
+            command = agent.command(listen_fd=5)
+        finally:
+            shutil.rmtree(agent.socket_path.parent)
+        return command
+
+    def value(command: list[str], option: str) -> str | None:
+        return command[command.index(option) + 1] if option in command else None
+
+    assert value(agent_command(), "--replicas") == "0"  # one node: no other holds a copy
+    assert value(agent_command("--nnodes", "1:4"), "--replicas") == "1"
+    command = agent_command("--nnodes", "3", "--replicas", "2", "--peer-port", "0", "--peer-memory-limit", "2GiB")
+    assert [value(command, o) for o in ("--replicas", "--peer-port", "--peer-memory-limit")] == ["2", "0", "2GiB"]
+    monkeypatch.setenv("DASH_REPLICAS", "0")
+    assert value(agent_command("--nnodes", "2"), "--replicas") == "0"
 
 
 def test_dash_agent_refuses_a_bad_failure_domain_in_one_line(tmp_path, token_file):

@@ -19,7 +19,7 @@ from typing import NoReturn
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import UsageError
 from dashrun.launch.placement import parse_agent_cpus
-from dashrun.util.units import parse_address
+from dashrun.util.units import parse_address, parse_size
 from dashrun.wire.messages import FailureDomain
 from dashrun.wire.tls import TlsSettings
 
@@ -61,6 +61,19 @@ def max_nodes(args: argparse.Namespace) -> int:
     """The most nodes ``--nnodes`` (``N`` or ``MIN:MAX``) allows."""
     return nnodes_range(args.nnodes)[1]
 
+
+
+def replicas_of(args: argparse.Namespace) -> int:
+    """``--replicas``, or its default (1 on two nodes or more, 0 on one), checked: R copies need R other nodes."""
+    others = max_nodes(args) - 1
+    if args.replicas is None:
+        return min(1, others)
+    _whole(args.replicas, "--replicas", "the number of other nodes that keep a copy of each node's snapshot", 0)
+    if args.replicas > others:
+        raise UsageError(f"--replicas {args.replicas} needs {args.replicas} other nodes to hold each node's copies, "
+                         f"and --nnodes {args.nnodes} gives a node {others} other{'' if others == 1 else 's'} at most",
+                         hint=f"give --replicas 0 to {others}" if others else "give --replicas 0 on one node")
+    return args.replicas
 
 
 def _bad(option: str, value, why: str, hint: str) -> NoReturn:
@@ -229,6 +242,13 @@ def check_values(args: argparse.Namespace) -> None:
     _seconds(args.poll_interval, "--poll-interval")
     if args.failure_domain:
         FailureDomain.parse(args.failure_domain)
+    replicas_of(args)
+    _whole(args.peer_port, "--peer-port", "a TCP port, e.g. 7071 (0: any free one)", 0, 65535)
+    if args.peer_memory_limit is not None:
+        try:
+            parse_size(args.peer_memory_limit)
+        except UsageError as e:
+            raise UsageError(f"--peer-memory-limit: {e.message}", hint=e.hint) from None
     _seconds(args.memd_wait, "--memd-wait")
     parse_agent_cpus(args.agent_cpus)
     TlsSettings.from_options(args.no_tls, args.tls_ca, args.tls_fingerprint)

@@ -134,10 +134,7 @@ class AgentProcess:
     def command(self, listen_fd: int) -> list[str]:
         """The dash-agent command line, serving the ranks on the inherited descriptor ``listen_fd``."""
         options, (host, port) = self.options, self.options.memd
-        extra = (["--metadata-endpoint", options.metadata_endpoint] if options.metadata_endpoint else []) + (
-            ["--poll-interval", str(options.poll_interval)] if options.poll_interval else []) + (
-            ["--failure-domain", options.failure_domain.label] if options.failure_domain else []) + (
-            [] if self.prefetch else ["--no-prefetch"])
+        extra = options.agent_args() + ([] if self.prefetch else ["--no-prefetch"])
         return [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file",
                 str(options.token_file), "--socket", str(self.socket_path), "--listen-fd", str(listen_fd),
                 "--parent-pid", str(os.getpid()), "--job-id", options.job_id, "--cloud", options.cloud,

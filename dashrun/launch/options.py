@@ -26,7 +26,7 @@ from typing import NoReturn
 
 from dashrun import env
 from dashrun.errors import UsageError
-from dashrun.launch.checks import check_values, max_nodes, memd_address, nnodes_range
+from dashrun.launch.checks import check_values, max_nodes, memd_address, nnodes_range, replicas_of
 from dashrun.launch.placement import AUTO, AgentCpus, parse_agent_cpus
 from dashrun.util.tokens import read_token
 from dashrun.version import __version__
@@ -74,6 +74,9 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("metadata_endpoint", ("--metadata-endpoint", "--metadata_endpoint")),
     OptionName("poll_interval", ("--poll-interval", "--poll_interval")),
     OptionName("failure_domain", ("--failure-domain", "--failure_domain")),
+    OptionName("replicas", ("--replicas",)),
+    OptionName("peer_port", ("--peer-port", "--peer_port")),
+    OptionName("peer_memory_limit", ("--peer-memory-limit", "--peer_memory_limit")),
     OptionName("hostfile", ("--hostfile",)),
     OptionName("ssh_config", ("--ssh-config", "--ssh_config")),
     OptionName("remote_python", ("--remote-python", "--remote_python")),
@@ -109,6 +112,19 @@ class LaunchOptions:
     agent_cpus: AgentCpus = AUTO  # where dash-agent runs: auto, none or its CPUs (dashrun.launch.placement)
     operator_key: Path | None = None  # signs the launch spec (dashrun.wire.operator)
     memd_wait: float = MEMD_WAIT  # seconds to wait for an unreachable dash-memd at launch
+    replicas: int = 0  # other nodes that keep a copy of this node's snapshot in their agent's memory
+    peer_port: int | None = None  # None: dash-agent's default
+    peer_memory_limit: str | None = None  # as given (checked): None, dash-agent's default
+
+    def agent_args(self) -> list[str]:
+        """The options of dash-agent that come from these, besides those every agent gets."""
+        given = [("--metadata-endpoint", self.metadata_endpoint),
+                 ("--poll-interval", self.poll_interval and str(self.poll_interval)),
+                 ("--failure-domain", self.failure_domain and self.failure_domain.label),
+                 ("--replicas", str(self.replicas)),
+                 ("--peer-port", None if self.peer_port is None else str(self.peer_port)),
+                 ("--peer-memory-limit", self.peer_memory_limit)]
+        return [part for option, value in given if value for part in (option, value)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    help=f"this node's failure domain, which replicas of its state are placed away "
                                         f"from (env {env.FAILURE_DOMAIN.name}; default: the zone, instance type and "
                                         "market the metadata service gives, e.g. us-east-1a/g5.12xlarge:spot).")
+    NAMES["replicas"].add_to(group, type=int, default=env.get(env.REPLICAS), metavar="R",
+                             help=f"other nodes that keep a copy of each node's newest snapshot in their dash-agent's "
+                                  f"memory, in another zone and pool first (env {env.REPLICAS.name}; default 1 on two "
+                                  "nodes or more, 0 on one); a restore reads the node's own copy, then a peer's, "
+                                  "then dash-memd's (docs/replicas.md).")
+    NAMES["peer_port"].add_to(group, type=int, default=env.get(env.PEER_PORT), metavar="PORT",
+                              help=f"TCP port dash-agent serves the job's other agents on (env {env.PEER_PORT.name}; "
+                                   f"default {env.DEFAULT_PEER_PORT}; 0: any free port).")
+    NAMES["peer_memory_limit"].add_to(group, default=env.get(env.PEER_MEMORY_LIMIT), metavar="SIZE",
+                                      help=f"memory dash-agent may give the copies it keeps, like 8GiB (env "
+                                           f"{env.PEER_MEMORY_LIMIT.name}; default 8GiB with replicas).")
     NAMES["hostfile"].add_to(group, default=env.get(env.HOSTFILE), metavar="FILE",
                              help=f"start dashrun on every host of FILE ('HOST slots=N' per line) over SSH, with "
                                   f"--nnodes, --nproc-per-node and a c10d rendezvous on the first host decided for "
@@ -284,20 +311,18 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if tls.ca is not None:
         _load_ca(tls.ca)
     agent_cpus = parse_agent_cpus(args.agent_cpus)
-    failure_domain = FailureDomain.parse(args.failure_domain) if args.failure_domain else None
+    common = dict(job_id=job_id, fresh=args.fresh, cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
+                  poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus, operator_key=operator_key,
+                  memd_wait=args.memd_wait, replicas=replicas_of(args), peer_port=args.peer_port,
+                  peer_memory_limit=args.peer_memory_limit,
+                  failure_domain=FailureDomain.parse(args.failure_domain) if args.failure_domain else None)
     if args.memd is None:
         require_shared_memd(args, max_nodes(args), "nodes")
-        return LaunchOptions(memd=None, token_file=None, job_id=job_id, fresh=args.fresh, cloud=args.cloud,
-                             metadata_endpoint=args.metadata_endpoint, poll_interval=args.poll_interval,
-                             failure_domain=failure_domain, tls=tls, agent_cpus=agent_cpus,
-                             operator_key=operator_key, memd_wait=args.memd_wait)
+        return LaunchOptions(memd=None, token_file=None, **common)
     require_token_file(args.memd, args.token_file)
     token_file = Path(args.token_file)
     Credential.parse(read_token(token_file)).for_job(job_id)  # fail now, in one line, not later in the agent
-    return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, job_id=job_id, fresh=args.fresh,
-                         cloud=args.cloud, metadata_endpoint=args.metadata_endpoint,
-                         poll_interval=args.poll_interval, failure_domain=failure_domain, tls=tls,
-                         agent_cpus=agent_cpus, operator_key=operator_key, memd_wait=args.memd_wait)
+    return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, **common)
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:

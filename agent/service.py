@@ -44,7 +44,7 @@ from dashrun.agent.peers.store import Store
 from dashrun.agent.pollers import Poller, make_poller
 from dashrun.agent.ranks import MAX_HELPERS, RankConnection, Staged
 from dashrun.agent.restores import RestoreCache
-from dashrun.env import PreemptionRecord
+from dashrun.env import DEFAULT_PEER_PORT, PreemptionRecord
 from dashrun.errors import DashError, UsageError
 from dashrun.util.daemon import private_listener
 from dashrun.util.files import write_atomic
@@ -162,7 +162,16 @@ class AgentServer:
             return
         host = config.peer_host or outbound_address(config.memd_host, config.memd_port)
         self.peer_server = PeerServer(self.store, self._job_credential(), host, config.peer_port)
-        self.peer_server.start()
+        try:
+            self.peer_server.start()
+        except UsageError as e:
+            if config.peer_port != DEFAULT_PEER_PORT:
+                raise  # a port the user chose, that this agent cannot have: its error at start
+            # The default taken (another node's agent on this machine): any port does, since the job's other
+            # agents learn it from dash-memd's registry.
+            self.peer_server = PeerServer(self.store, self._job_credential(), host, 0)
+            self.peer_server.start()
+            log.warning("%s; listening for peers on port %d instead", e.message, self.peer_server.port)
         self.replicator = Replicator(self.store, config.node, config.replicas, lambda: self.holders(),
                                      self.peer_client).start()
         log.info("serving the job's other agents on %s:%d (%s for shards, %d replica%s of each)",

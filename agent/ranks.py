@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 import os
 import queue
 import socket
@@ -40,8 +39,9 @@ from typing import Any, Callable, Protocol
 
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.restores import RestoreCache
+from dashrun.agent.peers.delivery import wait_committed
+from dashrun.agent.segments import SegmentMaps
 from dashrun.errors import BusyError, ConflictError, DashError, ProtocolError, UnavailableError
-from dashrun.util.files import unmap
 from dashrun.util.units import format_size
 from dashrun.wire.agent_messages import (
     Progress,
@@ -57,7 +57,7 @@ from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import Notice, ShardHeader
 from dashrun.wire.protocol import MAX_STEP, Kind, crc32c, field_int
 
-__all__ = ["MAX_HELPERS", "MAX_RANK_HELPERS", "STAGING_TIMEOUT", "Agent", "RankConnection", "SegmentMaps", "Staged"]
+__all__ = ["MAX_HELPERS", "MAX_RANK_HELPERS", "STAGING_TIMEOUT", "Agent", "RankConnection", "Staged"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,15 @@ class Agent(Protocol):
     def own_kept(self, own: Any, crc: int | None, committed: bool) -> None:
         """Wait for ``own`` (from :meth:`keep_own`; None: nothing) and keep it if its CRC-32C is ``crc`` (None:
         unknown), its step ``committed`` or not; then its replicas go out, in the background."""
+
+    def fleet_delivers(self, own: Any) -> bool:
+        """Whether the shard whose own copy is ``own`` is delivered on the fleet's rule (with replicas)."""
+
+    def own_held(self, own: Any, crc: int | None) -> ShardHeader | None:
+        """:meth:`own_kept` without the replicas: the header as the store holds it, or None."""
+
+    def deliver(self, conn: RankConnection, held: ShardHeader) -> dict[str, Any] | None:
+        """``held`` to dash-memd and the peers: dash-memd's answer, or None if R peers held it first."""
 
 
 @dataclasses.dataclass
@@ -136,56 +145,6 @@ class Staged:
             self.cond.wait_for(lambda: self.ready >= end or self.failed, timeout=STAGING_TIMEOUT)
             if self.ready < end:
                 raise UnavailableError("the rank stopped before its snapshot was staged")
-
-
-class SegmentMaps:
-    """The agent's read-only mappings of the staging segments a rank alternates between, kept while the rank
-    reuses them: mapping each once avoids faulting its pages in again for every checkpoint."""
-
-    KEEP = 2
-
-    def __init__(self, writable: bool = False):
-        self.writable = writable
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self._lock = threading.Lock()  # restores map from several threads
-
-    def view(self, fd: int, nbytes: int) -> memoryview:
-        st = os.fstat(fd)
-        if st.st_size < nbytes:
-            raise ProtocolError("the segment is smaller than the shard it should hold")
-        key = (st.st_dev, st.st_ino)
-        with self._lock:
-            mapped = self._maps.pop(key, None)
-            if mapped is None or len(mapped) != st.st_size:
-                mapped = _mapped(fd, st.st_size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0))
-            self._maps[key] = mapped  # most recently used last
-            while len(self._maps) > self.KEEP:
-                unmap(self._maps.pop(next(iter(self._maps))))
-            return memoryview(mapped)[:nbytes]
-
-    def forget(self, fd: int) -> None:
-        """Let go of the mapping of the segment behind ``fd``, if one is kept (once its views are released)."""
-        st = os.fstat(fd)
-        with self._lock:
-            mapped = self._maps.pop((st.st_dev, st.st_ino), None)
-        if mapped is not None:
-            unmap(mapped)
-
-    def close(self) -> None:
-        with self._lock:
-            for mapped in self._maps.values():
-                unmap(mapped)
-            self._maps.clear()
-
-
-def _mapped(fd: int, nbytes: int, **kwargs) -> mmap.mmap:
-    """``mmap.mmap(fd, nbytes, **kwargs)``; a descriptor that cannot be mapped so (a directory, a file the rank
-    opened read-only) is the rank's error, refused like any other malformed request."""
-    try:
-        return mmap.mmap(fd, nbytes, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ProtocolError(f"the attached descriptor cannot be mapped: {getattr(e, 'strerror', None) or e}") \
-            from None
 
 
 class RankConnection:
@@ -376,14 +335,12 @@ class RankConnection:
                 # anything: its buffer may change once it does.
                 own = self.agent.keep_own(staged)
                 try:
+                    if self.agent.fleet_delivers(own) and self._deliver_on_the_fleet(client, staged, own):
+                        continue
                     result = self._put_with_retry(client, staged)
                     reply = SnapshotReply(committed=bool(result.get("committed")), crc=result.get("crc"))
                     self.agent.own_kept(own, reply.crc, reply.committed)
-                    self.reply(staged.request_id, reply.to_body())
-                    if staged.emergency:
-                        self.agent.emergency_stored(staged.header)
-                    if reply.committed:
-                        self._say_committed(client, staged)
+                    self._answer(client, staged, reply)
                 except DashError as e:
                     if not staged.failed:
                         self.agent.report_failure(staged.header.job, e)
@@ -400,6 +357,25 @@ class RankConnection:
             client.close()
             self._maps.close()
             self._half_over()
+
+    def _deliver_on_the_fleet(self, client: MemdClient, staged: Staged, own: Any) -> bool:
+        """With replicas: the shard is safe, and the rank answered, once dash-memd stored it or this node and R
+        peers hold it (:mod:`dashrun.agent.peers.delivery`); False where the node's own copy was not kept
+        (dash-memd then gets it from the rank's segment, as without replicas)."""
+        held = self.agent.own_held(own, staged.rank_crc() if staged.checksum else None)
+        if held is None:
+            return False
+        answer = self.agent.deliver(self, held)
+        self._answer(client, staged, SnapshotReply(committed=bool(answer and answer.get("committed")), crc=held.crc))
+        return True
+
+    def _answer(self, client: MemdClient, staged: Staged, reply: SnapshotReply) -> None:
+        """The shard is safe: the rank may reuse its buffer."""
+        self.reply(staged.request_id, reply.to_body())
+        if staged.emergency:
+            self.agent.emergency_stored(staged.header)
+        if reply.committed:
+            self._say_committed(client, staged)
 
     @staticmethod
     def _say_committed(client: MemdClient, staged: Staged) -> None:
@@ -474,7 +450,8 @@ class RankConnection:
         try:
             request = WaitRequest.from_body(body)
             with self.agent.config.memd_client() as client:
-                committed = client.wait(request.job, request.step, request.timeout)
+                committed = wait_committed(client, request.job, request.step, request.timeout,
+                                           fleet=self.agent.config.replicas > 0)
             self.reply(request_id, WaitReply(committed).to_body())
         except DashError as e:
             self.reply_error(request_id, e)

@@ -35,6 +35,7 @@ from dashrun.agent.announcer import Announcer
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.identity import this_domain
 from dashrun.agent.peers.client import PeerClient
+from dashrun.agent.peers.delivery import MemdFeed, Outcome
 from dashrun.agent.peers.own import OwnCopy
 from dashrun.agent.peers.placement import Member as Placed
 from dashrun.agent.peers.placement import choose_holders
@@ -78,6 +79,7 @@ class AgentServer:
         self.peer_server: PeerServer | None = None
         self.replicator: Replicator | None = None
         self.announcer: Announcer | None = None
+        self._feeds: dict[RankConnection, MemdFeed] = {}  # per rank's connection: dash-memd fed from the store
         self.domain: FailureDomain | None = None  # this node's, read once at start (None: not yet)
         self._placement: list[Peer] = []  # where this node's replicas go, from the newest announcement's answer
         self._credential: Credential | None = None
@@ -184,6 +186,34 @@ class AgentServer:
             return None
         return OwnCopy(self.store, staged.header, self.config.node, staged.view, staged.wait_ready,
                        self._store_problems)
+
+    def fleet_delivers(self, own: OwnCopy | None) -> bool:
+        return own is not None and self.replicator is not None and own.header.job == self.config.job
+
+    def own_held(self, own: OwnCopy, crc: int | None) -> ShardHeader | None:
+        return own.finish(crc)
+
+    def deliver(self, conn: RankConnection, held: ShardHeader) -> dict | None:
+        outcome = Outcome(self.config.replicas)
+        self._feed(conn).submit(held, outcome)
+        self.replicator.submit(held, done=outcome.replicated)
+        answer = outcome.wait()
+        if answer is not None and answer.get("committed"):
+            self.store.committed(held.job, held.step)
+        return answer
+
+    def _feed(self, conn: RankConnection) -> MemdFeed:
+        """The connection's feed of dash-memd from the store (made at its first shard, closed with it)."""
+        with self._lock:
+            feed = self._feeds.get(conn)
+            if feed is None:
+                feed = self._feeds[conn] = MemdFeed(self.store, self.config.memd_client, self.config.node,
+                                                    stored=self._memd_stored)
+        return feed
+
+    def _memd_stored(self, header: ShardHeader, answer: dict) -> None:
+        if answer.get("committed"):  # dash-memd caught up: older copies may go
+            self.store.committed(header.job, header.step)
 
     def own_kept(self, own: OwnCopy | None, crc: int | None, committed: bool) -> None:
         """Keep ``own`` if its CRC-32C is ``crc``; its replicas then go out in the background."""
@@ -296,10 +326,14 @@ class AgentServer:
     # --- ranks' connections ---------------------------------------------------------------
 
     def connection_finished(self, conn: RankConnection) -> None:
-        """A rank's connection is over and closed: forget it (notices go to live connections only)."""
+        """A rank's connection is over and closed: forget it (notices go to live connections only); what its
+        feed of dash-memd still holds is delivered first, within the drain timeout."""
         with self._lock:
             if conn in self._connections:
                 self._connections.remove(conn)
+            feed = self._feeds.pop(conn, None)
+        if feed is not None:
+            feed.close(self.config.drain_timeout)
 
     def _accept_loop(self, listener: socket.socket) -> None:
         """Serve each rank that connects until :meth:`stop`; a connection that fails costs only itself."""
@@ -352,6 +386,10 @@ class AgentServer:
             conn.finish()
         for conn in connections:
             conn.wait_finished(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            feeds, self._feeds = list(self._feeds.values()), {}
+        for feed in feeds:  # dash-memd's copies of what the fleet holds, within the drain timeout
+            feed.close(max(0.0, deadline - time.monotonic()))
         if self.replicator is not None:
             self.replicator.wait_idle(max(0.0, deadline - time.monotonic()))
             self.replicator.stop()

@@ -8,12 +8,20 @@ restores it from their copies, none of it from dash-memd.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
+import psutil
 from conftest import wait_for
 from test_checkpointer import save_world, trained_objects
+
+from dashrun.agent.peers.client import PeerClient
+from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.credentials import Credential
+from dashrun.wire.messages import ShardHeader
+from dashrun.wire.protocol import Kind, crc32c
 
 JOB = "fleetcopies"
 
@@ -70,3 +78,48 @@ def test_replicas_are_placed_from_the_registry_and_restored_from_after_dash_memd
     fetched = wait_for(lambda: re.search(rf"fetched {JOB} step 6 \((.*)\)", newcomer.log()),
                        what="the new node's fetch of step 6")
     assert fetched.group(1) == f"{info.nbytes} bytes from peers", fetched.group(0)
+
+
+def hand_over(link: AgentLink, job: str, step: int, payload: bytes):
+    """Hand the agent a fully staged shard of a world of one, as a rank does; the future of its reply."""
+    fd = os.memfd_create("test-shard")
+    try:
+        os.write(fd, payload)
+        rep = len(payload) // 2
+        header = ShardHeader(job, step, 0, 1, rep, 0, rep, len(payload) - rep, 0, "ab" * 32)
+        return link.request(Kind.SNAPSHOT, {"shard": header.to_body(), "ready": header.nbytes}, fds=[fd])
+    finally:
+        os.close(fd)
+
+
+def test_a_shard_is_safe_once_a_peer_holds_it_while_dash_memd_hangs_and_dash_memd_catches_up(
+        memd_factory, agent_factory):
+    """The commit rule with replicas: the rank's buffer is released once this node and R peers hold its shard,
+    before a hung dash-memd answers; once it answers again it gets the shard from the agent's copy."""
+    memd = memd_factory("--memory-limit", "256MiB")
+    job = "hung"
+    env = {**fleet_env("n1", "z1/p1"), "DASH_JOB_ID": job}
+    first = agent_factory(memd, env=env)
+    second = agent_factory(memd, env={**env, "DASH_NODE": "n2", "DASH_FAILURE_DOMAIN": "z2/p2"})
+    wait_for(lambda: "this node's replicas go to n2" in first.log(), what="n1 to place its replicas on n2")
+    link = AgentLink(str(first.socket_path))
+    hung = psutil.Process(memd.proc.pid)
+    try:
+        assert hand_over(link, job, 1, os.urandom(4096)).result(timeout=60).kind == Kind.OK
+        payload = os.urandom(1 << 20)
+        hung.suspend()
+        reply = hand_over(link, job, 2, payload).result(timeout=60)  # dash-memd answers nothing meanwhile
+        assert reply.kind == Kind.OK and reply.body["committed"] is False and reply.body["crc"] == crc32c(payload)
+        host, port = re.search(r"serving the job's other agents on ([\d.]+):(\d+)", second.log()).groups()
+        copy = bytearray(len(payload))
+        with PeerClient(host, int(port), Credential.parse(memd.token).for_job(job)) as peer:
+            peer.get_into(job, 2, 0, crc32c(payload), 0, [memoryview(copy)])
+        assert copy == payload
+    finally:
+        hung.resume()
+        link.close()
+    with memd.client() as client:
+        info = wait_for(lambda: client.latest(job, 2), what="dash-memd to catch up from the agent's copy")
+        got = bytearray(len(payload))
+        client.get_shard_into(job, 2, 0, [memoryview(got)])
+    assert info.shards[0].crc == crc32c(payload) and got == payload

@@ -43,7 +43,7 @@ class Replicator:
                  connect: Callable[[str, int], PeerClient]):
         self.store, self.node, self.replicas = store, node, replicas
         self.holders, self.connect = holders, connect
-        self._queue: queue.Queue[ShardHeader | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[ShardHeader, Callable[[int], None]] | None] = queue.Queue()
         self._clients: dict[tuple[str, int], PeerClient] = {}
         self._problems = ProblemLog(log)
         self._thread = threading.Thread(target=self._loop, name="agent-replicas", daemon=True)
@@ -57,11 +57,12 @@ class Replicator:
         self._thread.start()
         return self
 
-    def submit(self, header: ShardHeader) -> None:
-        """Send this shard of this node (held in the store with ``header.crc``) to its holders, later."""
+    def submit(self, header: ShardHeader, done: Callable[[int], None] = lambda holders: None) -> None:
+        """Send this shard of this node (held in the store with ``header.crc``) to its holders, later; ``done`` is
+        told how many took it (:mod:`.delivery` counts them towards the commit)."""
         with self._lock:
             self._pending += 1
-        self._queue.put(header)
+        self._queue.put((header, done))
 
     def wait_idle(self, timeout: float) -> bool:
         """Whether every submitted shard was dealt with within ``timeout`` seconds (for stopping, and tests)."""
@@ -79,21 +80,26 @@ class Replicator:
         return [peer for peer in self.holders() if peer[0] != self.node][:self.replicas]
 
     def _loop(self) -> None:
-        while (header := self._queue.get()) is not None:
+        while (queued := self._queue.get()) is not None:
+            header, done = queued
+            holders = 0
             try:
-                self._send(header)
+                holders = self._send(header)
             except Exception:  # a bug costs this shard's replicas, not the ones queued behind it
                 log.exception("replicas of %s step %d, rank %d failed", header.job, header.step, header.rank)
             finally:
+                done(holders)
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _send(self, header: ShardHeader) -> None:
+    def _send(self, header: ShardHeader) -> int:
+        """Send ``header``'s shard to this node's holders; how many took it."""
+        holders = 0
         for node, host, port in self.chosen():
             with self.store.open(header.job, header.step, header.rank, header.crc) as opened:
                 if opened is None:
-                    return  # dropped since (a newer step is committed): nothing to send
+                    return holders  # dropped since (a newer step is committed): nothing to send
                 view, _marks, held = opened
                 client = self._clients.get((host, port))
                 try:
@@ -105,5 +111,7 @@ class Replicator:
                                            host, port, e)
                     continue
             self._problems.ok(node)
+            holders += 1
             self.sent[node] = self.sent.get(node, 0) + 1
             log.debug("%s step %d, rank %d: replica held by %s", header.job, header.step, header.rank, node)
+        return holders

@@ -181,11 +181,29 @@ class AgentServer:
                  "" if config.replicas == 1 else "s")
 
     def keep_own(self, staged: Staged) -> OwnCopy | None:
-        """Start copying a handed-over shard into the store (None: no store)."""
-        if self.store is None:
+        """Start copying a handed-over shard into the store (None: no store, or the copies cannot fit)."""
+        if self.store is None or not self._copies_fit(staged.header):
             return None
         return OwnCopy(self.store, staged.header, self.config.node, staged.view, staged.wait_ready,
                        self._store_problems)
+
+    def _copies_fit(self, header: ShardHeader) -> bool:
+        """Whether the copies a node keeps fit its store: its own ranks' shards and those of the R nodes it holds
+        copies for, of the newest committed step and the one arriving. Said once, loud, where they do not: the
+        node's shards then go to dash-memd alone, as without replicas."""
+        with self._lock:
+            ranks = max(1, sum(1 for conn in self._connections if conn.who.startswith(f"{header.job} rank ")))
+        need = 2 * (1 + self.config.replicas) * ranks * header.nbytes
+        if need <= self.store.limit:
+            self._store_problems.ok("fit")
+            return True
+        self._store_problems.problem(
+            "fit", "too small", "--replicas %d needs about %s of dash-agent's memory on this node (2 steps x %d "
+            "copies x %d rank%s x %s), and --peer-memory-limit is %s: this node's shards go to dash-memd alone "
+            "(hint: raise --peer-memory-limit, or give --replicas 0)", self.config.replicas, format_size(need),
+            1 + self.config.replicas, ranks, "" if ranks == 1 else "s", format_size(header.nbytes),
+            format_size(self.store.limit), level=logging.ERROR)
+        return False
 
     def fleet_delivers(self, own: OwnCopy | None) -> bool:
         return own is not None and self.replicator is not None and own.header.job == self.config.job

@@ -196,6 +196,7 @@ BAD_VALUES = [
     (["--replicas", "-1"], "--replicas -1 is not a whole number >= 0"),
     (["--peer-port", "70000"], "--peer-port 70000 is not a whole number from 0 to 65535"),
     (["--peer-memory-limit", "lots"], "--peer-memory-limit: not a size: 'lots'"),
+    (["--peer-memory-limit", "1PiB"], "--peer-memory-limit 1PiB is more than this node's"),
     (["--memd-wait", "-1", *MEMD], "--memd-wait -1.0 is not a number of seconds"),
     (["--agent-cpus", "many"], "--agent-cpus 'many'"),
     (["--tls-ca", "no-such-ca.pem"], "cannot load --tls-ca"),

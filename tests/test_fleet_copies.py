@@ -123,3 +123,20 @@ def test_a_shard_is_safe_once_a_peer_holds_it_while_dash_memd_hangs_and_dash_mem
         got = bytearray(len(payload))
         client.get_shard_into(job, 2, 0, [memoryview(got)])
     assert info.shards[0].crc == crc32c(payload) and got == payload
+
+
+def test_copies_that_cannot_fit_are_said_once_and_the_shards_go_to_dash_memd_alone(memd_factory, agent_factory):
+    memd = memd_factory("--memory-limit", "256MiB")
+    agent = agent_factory(memd, env={**fleet_env("n1", "z1"), "DASH_JOB_ID": "tight", "DASH_PEER_MEMORY_LIMIT": "1MiB"})
+    link = AgentLink(str(agent.socket_path))
+    try:
+        for step in (1, 2):
+            assert hand_over(link, "tight", step, os.urandom(512 << 10)).result(timeout=60).kind == Kind.OK
+    finally:
+        link.close()
+    with memd.client() as client:
+        assert client.latest("tight").step == 2  # delivered as without replicas
+    said = [line for line in agent.log().splitlines() if "needs about" in line]
+    assert len(said) == 1, said
+    assert ("--replicas 1 needs about 2.0 MiB of dash-agent's memory on this node (2 steps x 2 copies x 1 rank x "
+            "512.0 KiB), and --peer-memory-limit is 1.0 MiB") in said[0]

@@ -19,7 +19,7 @@ from typing import NoReturn
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import UsageError
 from dashrun.launch.placement import parse_agent_cpus
-from dashrun.util.units import parse_address, parse_size
+from dashrun.util.units import format_size, parse_address, parse_size
 from dashrun.wire.messages import FailureDomain
 from dashrun.wire.tls import TlsSettings
 
@@ -246,9 +246,15 @@ def check_values(args: argparse.Namespace) -> None:
     _whole(args.peer_port, "--peer-port", "a TCP port, e.g. 7071 (0: any free one)", 0, 65535)
     if args.peer_memory_limit is not None:
         try:
-            parse_size(args.peer_memory_limit)
+            limit = parse_size(args.peer_memory_limit)
         except UsageError as e:
             raise UsageError(f"--peer-memory-limit: {e.message}", hint=e.hint) from None
+        import psutil
+
+        ram = psutil.virtual_memory().total
+        if limit > ram:
+            raise UsageError(f"--peer-memory-limit {args.peer_memory_limit} is more than this node's "
+                             f"{format_size(ram)} of RAM", hint="give dash-agent's copies a part of the node's RAM")
     _seconds(args.memd_wait, "--memd-wait")
     parse_agent_cpus(args.agent_cpus)
     TlsSettings.from_options(args.no_tls, args.tls_ca, args.tls_fingerprint)

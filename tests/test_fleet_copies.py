@@ -19,6 +19,7 @@ from test_checkpointer import save_world, trained_objects
 
 from dashrun.agent.peers.client import PeerClient
 from dashrun.wire.agent_link import AgentLink
+from dashrun.wire.agent_messages import WaitReply, WaitRequest
 from dashrun.wire.credentials import Credential
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import Kind, crc32c
@@ -140,3 +141,29 @@ def test_copies_that_cannot_fit_are_said_once_and_the_shards_go_to_dash_memd_alo
     assert len(said) == 1, said
     assert ("--replicas 1 needs about 2.0 MiB of dash-agent's memory on this node (2 steps x 2 copies x 1 rank x "
             "512.0 KiB), and --peer-memory-limit is 1.0 MiB") in said[0]
+
+
+def test_a_step_dash_memd_cannot_take_is_committed_on_the_fleet_and_a_rank_waiting_for_it_hears_so(
+        memd_factory, agent_factory):
+    """dash-memd refuses the shard (no room): it is safe anyway once this node and its peer hold it; dash-memd's
+    registry commits the step on the fleet, and a rank's WAIT for it says committed."""
+    memd = memd_factory("--memory-limit", "1MiB")
+    job = "nomemd"
+    env = {**fleet_env("n1", "z1/p1"), "DASH_JOB_ID": job}
+    first = agent_factory(memd, env=env)
+    agent_factory(memd, env={**env, "DASH_NODE": "n2", "DASH_FAILURE_DOMAIN": "z2/p2"})
+    wait_for(lambda: "this node's replicas go to n2" in first.log(), what="n1 to place its replicas on n2")
+    link = AgentLink(str(first.socket_path))
+    try:
+        payload = os.urandom(2 << 20)  # more than dash-memd may hold
+        reply = hand_over(link, job, 3, payload).result(timeout=60)
+        assert reply.kind == Kind.OK and reply.body["committed"] is False
+        waited = link.call(Kind.WAIT, WaitRequest(job, 3, 30.0).to_body(), timeout=60)
+        assert WaitReply.from_body(waited.body).committed
+    finally:
+        link.close()
+    with memd.client() as client:
+        located = client.locate(job)
+        assert (located.info.step, located.in_memd) == (3, False)
+        assert client.latest(job) is None
+    assert "shards are not reaching dash-memd (the fleet's copies hold them meanwhile)" in first.log()

@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable
 
 from dashrun.agent.peers.store import Store
-from dashrun.errors import ConflictError, DashError, UnavailableError
+from dashrun.errors import ConflictError, DashError, NotFoundError, UnavailableError
 from dashrun.util.problems import ProblemLog
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import ShardHeader
@@ -111,6 +111,9 @@ class MemdFeed:
             while (job := self._queue.get()) is not None:
                 try:
                     answer = self._put(job.header)
+                except NotFoundError as e:  # dropped from the store: a newer step is committed, dash-memd gets it
+                    log.debug("%s", e)
+                    job.outcome.failed(e)
                 except DashError as e:
                     self._problems.problem(job.header.job, e.code.value, "%s: shards are not reaching dash-memd "
                                            "(the fleet's copies hold them meanwhile): %s", job.header.job, e)
@@ -131,8 +134,8 @@ class MemdFeed:
         announced = dataclasses.replace(held, crc=0)  # a shard is announced unverified; its checksum follows
         with self.store.open(held.job, held.step, held.rank, held.crc) as opened:
             if opened is None:
-                raise UnavailableError(f"{held.job} step {held.step}, rank {held.rank}'s shard left this agent's "
-                                       "store before dash-memd took it (a newer step is committed)")
+                raise NotFoundError(f"{held.job} step {held.step}, rank {held.rank}'s shard left this agent's store "
+                                    "before dash-memd took it (a newer step is committed)")
             view = opened[0]
             for attempt in (1, 2):
                 if self._client is None:

@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
 import bench_checkpoint as bench  # noqa: E402  (its variants and their interleaved run)
 
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.memd import Memd  # noqa: E402
 from dashrun.util.cpus import format_cpus  # noqa: E402
 
 PLACEMENTS = ("auto", "none")
@@ -164,13 +164,10 @@ def start_memd(procs: benchlib.Processes, scratch: Path, core: int, memory_limit
 
     token_file = scratch / "token"
     write_token(token_file)
-    ready = scratch / "memd.ready"
-    procs.start_daemon("dash-memd", benchlib.pinned(
-        [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
-         str(scratch / "memd-data"), "--memory-limit", memory_limit, "--token-file", str(token_file),
-         "--ready-file", str(ready)], core), ready=daemon.file_written(ready), log=scratch / "memd.log",
-        cwd=benchlib.REPO, env=benchlib.child_env())
-    return ready.read_text().strip(), token_file
+    memd = Memd(scratch / "memd-data", token_file, "--memory-limit", memory_limit, log_path=scratch / "memd.log",
+                core=core, timeout=60, cwd=benchlib.REPO, env=benchlib.child_env())
+    procs.add("dash-memd", memd.start(port=0).proc)
+    return memd.address, token_file
 
 
 def launch(args, placement: str, run: int, memd: str, token_file: Path, scratch: Path, procs) -> dict:

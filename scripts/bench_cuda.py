@@ -32,7 +32,6 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,7 +46,8 @@ from torch import nn  # noqa: E402
 
 import dashrun  # noqa: E402
 from dashrun.rank.staging import bytes_of  # noqa: E402
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.agent import Agent  # noqa: E402
+from dashrun.testing.memd import Memd  # noqa: E402
 from dashrun.util.tokens import write_token  # noqa: E402
 from dashrun.wire.memd_client import MemdClient  # noqa: E402
 
@@ -138,41 +138,27 @@ def loopback_seconds(data: memoryview, rounds: int = 3) -> float:
 
 
 class Daemons:
-    """dash-memd and dash-agent on loopback, as the launcher would start them."""
+    """dash-memd and dash-agent on loopback, as the launcher would start them (the harness's)."""
 
     def __init__(self, scratch: Path, memory_limit: int):
-        self.scratch = scratch
         token = scratch / "token"
         write_token(token)
-        ready = scratch / "memd.ready"
-        self.procs: list[subprocess.Popen] = []
+        self.memd = Memd(scratch / "data", token, "--memory-limit", str(memory_limit),
+                         log_path=scratch / "dash-memd.log", timeout=60, cwd=REPO).start(port=0)
+        self.socket = scratch / "agent.sock"
         try:
-            self._start_both(scratch, token, ready, memory_limit)
+            self.agent = Agent(self.memd, self.socket, scratch / "dash-agent.log", {"DASH_CLOUD": "none"},
+                               options=(), timeout=60, cwd=REPO)
         except BaseException:
-            self.stop()  # no dash-memd left behind when the agent fails to start
+            self.memd.stop(timeout=60)  # no dash-memd left behind when the agent fails to start
             raise
 
-    def _start_both(self, scratch: Path, token: Path, ready: Path, memory_limit: int) -> None:
-        self._start([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
-                     "--data-dir", str(scratch / "data"), "--memory-limit", str(memory_limit),
-                     "--token-file", str(token), "--ready-file", str(ready)], "dash-memd", daemon.file_written(ready))
-        self.host, port = ready.read_text().strip().rsplit(":", 1)
-        self.port, self.token = int(port), token.read_bytes().strip()
-        self.socket = scratch / "agent.sock"
-        self._start([sys.executable, "-m", "dashrun.agent", "--memd", f"{self.host}:{self.port}",
-                     "--token-file", str(token), "--socket", str(self.socket)], "dash-agent",
-                    daemon.accepting(self.socket), env={**os.environ, "DASH_CLOUD": "none"})
-
-    def _start(self, cmd, what: str, ready, env=None) -> None:
-        self.procs.append(daemon.start(cmd, ready=ready, what=what, log=self.scratch / f"{what}.log", timeout=60,
-                                       cwd=REPO, env=env))
-
     def client(self) -> MemdClient:
-        return MemdClient(self.host, self.port, self.token, timeout=120)
+        return self.memd.client(timeout=120)
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            daemon.stop(proc, timeout=60)
+        self.agent.stop(timeout=60)
+        self.memd.stop(timeout=60)
 
 
 def measure(args, device: torch.device, model, opt, step, scratch: Path, daemons: Daemons):

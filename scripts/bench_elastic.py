@@ -33,15 +33,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import psutil
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -51,7 +47,8 @@ sys.path.insert(0, str(HERE))
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
 import fake_metadata  # noqa: E402
 
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.memd import Memd  # noqa: E402
+from dashrun.testing.processes import WaitTimeout, free_port, kill_tree, wait_for  # noqa: E402
 from dashrun.util.tokens import write_token  # noqa: E402
 
 JOB = HERE / "elastic_job.py"
@@ -60,12 +57,6 @@ RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,
 MAX_RESTARTS = "100"
 #: Seconds a round may take at most before it is given up (reported as such).
 ROUND_TIMEOUT = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log_lines(out: Path) -> list[tuple[float, int, int, str]]:
@@ -97,7 +88,7 @@ def restart_phases(out: Path, since: float) -> dict[str, float]:
 
 
 def wait_until(predicate, timeout: float, what: str):
-    return daemon.wait_until(predicate, timeout, what, interval=0.05)
+    return wait_for(predicate, timeout, what, interval=0.05)
 
 
 class Round:
@@ -146,7 +137,7 @@ class Round:
         try:
             wait_until(lambda: any(world == 2 for _, _, world, _ in log_lines(self.out)), ROUND_TIMEOUT,
                        f"{self.system} to train at world 2")
-        except TimeoutError:
+        except WaitTimeout:
             return {"system": self.system, "how": how, "seconds": None, "steps_lost": None}
         lines = log_lines(self.out)
         first_at_2 = min((t, step) for t, step, world, _ in lines if world == 2)
@@ -160,29 +151,12 @@ class Round:
             kill_tree(proc)
 
 
-def kill_tree(proc) -> None:
-    """SIGKILL a node's launcher and every process under it: torch starts the ranks in sessions of their own."""
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for each in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            each.send_signal(signal.SIGKILL)
-    psutil.wait_procs(tree, timeout=30)
-    with contextlib.suppress(Exception):
-        proc.wait(timeout=30)
-
-
 def start_memd(workdir: Path, procs: benchlib.Processes) -> tuple[str, Path]:
     token = workdir / "token"
     write_token(token)
-    ready = workdir / "memd-ready"
-    procs.start_daemon("dash-memd", [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
-                                     "--data-dir", str(workdir / "memd"), "--token-file", str(token),
-                                     "--ready-file", str(ready), "--memory-limit", "2GiB"],
-                       ready=daemon.file_written(ready), log=workdir / "memd.log")
-    return ready.read_text().strip(), token
+    memd = Memd(workdir / "memd", token, "--memory-limit", "2GiB", log_path=workdir / "memd.log", timeout=60)
+    procs.add("dash-memd", memd.start(port=0).proc)
+    return memd.address, token
 
 
 def main() -> None:

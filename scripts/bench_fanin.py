@@ -62,9 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
 from benchlib import Processes, measure_loopback  # noqa: E402
-from fleet import MemdProcess, NodeSpec, SimNode  # noqa: E402
+from fleet import NodeSpec, SimNode, fleet_memd  # noqa: E402
 
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.processes import wait_for  # noqa: E402
 from dashrun.util.tokens import write_token  # noqa: E402
 from dashrun.util.units import format_size, parse_size  # noqa: E402
 from dashrun.wire.channel import CHUNK  # noqa: E402
@@ -127,7 +127,7 @@ class FanIn:
         token = workdir / "token"
         write_token(token)
         extra = ["--memory-limit", str(self.limit), *(["--no-tls"] if plain else [])]
-        self.memd = MemdProcess(workdir, token, *extra)
+        self.memd = fleet_memd(workdir, token, *extra)
         spec = NodeSpec(ranks=args.ranks, state_kib=args.state_mib << 10, step_time=0.0, interval=1, confirm_every=1,
                         gate=True)
         self.nodes = [SimNode(i, self.memd, workdir, spec) for i in range(args.nodes)]
@@ -155,7 +155,7 @@ class FanIn:
         finally:
             for node in self.nodes:
                 node.stop()
-            self.memd.stop()
+            self.memd.stop(timeout=60)
 
     def _idle_rss(self) -> int:
         """dash-memd's RSS once it serves and one client has logged in and out (its TLS context is in use)."""
@@ -168,7 +168,7 @@ class FanIn:
             node.supervise()  # a node that died would otherwise be waited for in vain: say so
         if any(n.agent_restarts or n.group_restarts for n in self.nodes):
             raise RuntimeError(f"a node's agent or group died before {what}; see the logs in {self.args.workdir}")
-        daemon.wait_until(predicate, PHASE_TIMEOUT, what, interval=0.05)
+        wait_for(predicate, PHASE_TIMEOUT, what, interval=0.05)
 
     def _ingest(self) -> dict:
         args = self.args

@@ -34,7 +34,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
-import bench_restore  # noqa: E402
+
+from dashrun.testing.memd import Memd  # noqa: E402
+from dashrun.util.tokens import write_token  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -65,9 +67,14 @@ def measure(mode: str, connections: list[int], total: int, shard: int, workdir: 
     cost of receiving into them). Each row's jobs are deleted after it, so the next finds its RAM free."""
     import psutil
 
-    stack = bench_restore.Stack(workdir / mode, procs, side_core, plaintext=mode == "plain", memory=total + 64 * MiB)
-    stack.start_memd()
-    memd = psutil.Process(stack.memd.pid)
+    where = workdir / mode
+    where.mkdir(parents=True, exist_ok=True)
+    write_token(where / "token")
+    server = Memd(where / "memd-data", where / "token", "--memory-limit", str(total + 64 * MiB),
+                  *(["--no-tls"] if mode == "plain" else []), log_path=where / "memd.log", core=side_core, timeout=60,
+                  cwd=benchlib.REPO, env=benchlib.child_env())
+    procs.add("dash-memd", server.start(port=0).proc)
+    memd = psutil.Process(server.pid)
     rows = []
     try:
         for index, n in enumerate([max(connections)] + connections):  # the first round warms up
@@ -75,7 +82,7 @@ def measure(mode: str, connections: list[int], total: int, shard: int, workdir: 
             go = multiprocessing.Event()
             jobs = [f"ingest-{index}-{i}" for i in range(n)]
             senders = [multiprocessing.Process(target=sender, args=(
-                stack.listen, str(stack.token_file), mode == "plain", job, shard, count, go)) for job in jobs]
+                server.address, str(server.token_file), mode == "plain", job, shard, count, go)) for job in jobs]
             for proc in senders:
                 proc.start()
             time.sleep(1.0)  # every sender connected and logged in (ping) before the clock starts
@@ -88,7 +95,7 @@ def measure(mode: str, connections: list[int], total: int, shard: int, workdir: 
                     raise RuntimeError(f"a sender failed (exit {proc.exitcode})")
             took = time.perf_counter() - started
             used = sum(memd.cpu_times()[:2]) - cpu
-            with stack.client() as client:
+            with server.client(timeout=300) as client:
                 for job in jobs:
                     client.delete(job, 0)
             if index:
@@ -96,7 +103,7 @@ def measure(mode: str, connections: list[int], total: int, shard: int, workdir: 
                 rows.append({"mode": mode, "connections": n, "bytes": nbytes, "time_s": took,
                              "memd_cpu_s_per_gib": used / (nbytes / GiB), "bandwidth": nbytes / took})
     finally:
-        procs.stop(stack.memd, timeout=60)
+        procs.stop(server.proc, timeout=60)
     return rows
 
 

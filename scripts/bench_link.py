@@ -28,24 +28,21 @@ sys.path.insert(0, str(HERE))
 
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
 
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.memd import Memd  # noqa: E402
 
 MiB = 1 << 20
 
 
-def start_memd(directory: Path, procs: benchlib.Processes, core: int, nbytes: int, plaintext: bool):
+def start_memd(directory: Path, procs: benchlib.Processes, core: int, nbytes: int, plaintext: bool) -> Memd:
     from dashrun.util.tokens import write_token
 
     directory.mkdir(parents=True)
-    token = write_token(directory / "token")
-    ready = directory / "ready"
-    proc = procs.start_daemon("dash-memd", benchlib.pinned(
-        [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
-         str(directory / "data"), "--memory-limit", str(4 * nbytes), "--token-file", str(directory / "token"),
-         "--ready-file", str(ready), *(["--no-tls"] if plaintext else [])], core),
-        ready=daemon.file_written(ready), log=directory / "memd.log", cwd=HERE.parent, env=benchlib.child_env())
-    host, port = ready.read_text().strip().rsplit(":", 1)
-    return proc, host, int(port), token
+    write_token(directory / "token")
+    memd = Memd(directory / "data", directory / "token", "--memory-limit", str(4 * nbytes),
+                *(["--no-tls"] if plaintext else []), log_path=directory / "memd.log", core=core, timeout=60,
+                cwd=HERE.parent, env=benchlib.child_env())
+    procs.add("dash-memd", memd.start(port=0).proc)
+    return memd
 
 
 def measure(nbytes: int, rounds: int, client_core: int, memd_core: int, procs: benchlib.Processes,
@@ -53,9 +50,7 @@ def measure(nbytes: int, rounds: int, client_core: int, memd_core: int, procs: b
     import psutil
     import torch
 
-    from dashrun.wire.memd_client import MemdClient
     from dashrun.wire.messages import ShardHeader
-    from dashrun.wire.tls import TlsSettings
 
     benchlib.pin_process({client_core})
     payload = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
@@ -63,10 +58,8 @@ def measure(nbytes: int, rounds: int, client_core: int, memd_core: int, procs: b
     src, dst = memoryview(payload.numpy()), memoryview(back.numpy())
     links = {}
     for name, plaintext in (("sealed (TLS login)", False), ("--no-tls", True)):
-        proc, host, port, token = start_memd(scratch / f"{client_core}-{plaintext}", procs, memd_core, nbytes,
-                                             plaintext)
-        links[name] = (psutil.Process(proc.pid), MemdClient(host, port, token, timeout=120,
-                                                            tls=TlsSettings(plaintext=plaintext)))
+        memd = start_memd(scratch / f"{client_core}-{plaintext}", procs, memd_core, nbytes, plaintext)
+        links[name] = (psutil.Process(memd.pid), memd.client(timeout=120))
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in links}
     try:
         for step in range(1, rounds + 2):  # the first round warms up

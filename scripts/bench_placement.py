@@ -12,13 +12,14 @@ interleaved (auto, none, none, auto, ...) so that the machine's drift hits
 both alike.
 
 Inside each launch, the rank measures in blocks of ``--interval`` steps, as
-``bench_checkpoint.py`` does: blocks without checkpoints (the baseline), blocks
-that end in a ``torch.save`` + fsync of the same state, and blocks that end in a
-``dashrun`` checkpoint, every checkpointing block between two baseline blocks,
-in rotating order; the background work of a block (dash-memd's disk write) is
-awaited untimed. Added training time per checkpoint = time of the block −
-mean of the baseline blocks around it. So torch.save runs in the same process,
-at the same placement, as the dashrun checkpoint it is compared with.
+``bench_checkpoint.py`` does (the run of ``variants.py``): blocks without
+checkpoints (the baseline), blocks that end in a ``torch.save`` + fsync of the
+same state, and blocks that end in a ``dashrun`` checkpoint, every
+checkpointing block between two baseline blocks, in rotating order; the
+background work of a block (dash-memd's disk write) is awaited untimed. Added
+training time per checkpoint = time of the block − mean of the baseline blocks
+around it. So torch.save runs in the same process, at the same placement, as
+the dashrun checkpoint it is compared with.
 
 Reported per placement, over the runs: dashrun's added time as a percentage of
 torch.save's (median and min..max), both added times, and the baseline step
@@ -50,9 +51,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
-import bench_checkpoint as bench  # noqa: E402  (its variants and their interleaved run)
+from variants import NoCheckpoint, TorchSave, Variant, interleave, summarise  # noqa: E402
 
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.memd import Memd  # noqa: E402
 from dashrun.util.cpus import format_cpus  # noqa: E402
 
 PLACEMENTS = ("auto", "none")
@@ -63,7 +64,7 @@ MiB = float(1 << 20)
 # --- the rank, under dashrun ---------------------------------------------------------------------
 
 
-class LaunchedDashrun(bench.Variant):
+class LaunchedDashrun(Variant):
     """``dashrun.Checkpointer`` of a rank started by ``dashrun``: its agent and dash-memd are the launch's."""
 
     key = "dashrun"
@@ -129,7 +130,7 @@ def rank_main(args) -> int:
     model, optimizer, batch, mdesc = benchlib.build_model(int(args.size_mib * MiB), batch=args.batch)
     trainer = benchlib.Trainer(model, optimizer, batch)
     trainer.step()  # creates the AdamW state
-    variants = [bench.NoCheckpoint(), bench.TorchSave(model, optimizer, args.interval, scratch),
+    variants = [NoCheckpoint(), TorchSave(model, optimizer, args.interval, scratch),
                 LaunchedDashrun(model, optimizer, args.interval, args.memd, args.token_file)]
     agent = agent_of_launcher()
     named = {"dash-agent": agent} if agent else {}
@@ -137,10 +138,10 @@ def rank_main(args) -> int:
     try:
         for v in variants:
             v.setup()
-        run = bench.interleave(trainer, variants, interval=args.interval, warmup_rounds=args.warmup,
-                               rounds=args.rounds, monitor=benchlib.CpuMonitor(named), train_core=mine[0],
-                               log=lambda msg: print(f"[rank] {msg}", flush=True))
-        summary = {v.key: bench.summarise(v.key, v, run) for v in variants}
+        run = interleave(trainer, variants, interval=args.interval, warmup_rounds=args.warmup,
+                         rounds=args.rounds, monitor=benchlib.CpuMonitor(named), train_core=mine[0],
+                         log=lambda msg: print(f"[rank] {msg}", flush=True))
+        summary = {v.key: summarise(v.key, v, run) for v in variants}
         results = {v.key: v.result() for v in variants}
     finally:
         for v in reversed(variants):
@@ -164,13 +165,10 @@ def start_memd(procs: benchlib.Processes, scratch: Path, core: int, memory_limit
 
     token_file = scratch / "token"
     write_token(token_file)
-    ready = scratch / "memd.ready"
-    procs.start_daemon("dash-memd", benchlib.pinned(
-        [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
-         str(scratch / "memd-data"), "--memory-limit", memory_limit, "--token-file", str(token_file),
-         "--ready-file", str(ready)], core), ready=daemon.file_written(ready), log=scratch / "memd.log",
-        cwd=benchlib.REPO, env=benchlib.child_env())
-    return ready.read_text().strip(), token_file
+    memd = Memd(scratch / "memd-data", token_file, "--memory-limit", memory_limit, log_path=scratch / "memd.log",
+                core=core, timeout=60, cwd=benchlib.REPO, env=benchlib.child_env())
+    procs.add("dash-memd", memd.start(port=0).proc)
+    return memd.address, token_file
 
 
 def launch(args, placement: str, run: int, memd: str, token_file: Path, scratch: Path, procs) -> dict:

@@ -36,7 +36,6 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,15 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.memd import ENTRY, Memd  # noqa: E402
 from dashrun.util.files import populated  # noqa: E402
 from dashrun.util.tokens import write_token  # noqa: E402
 from dashrun.wire import channel  # noqa: E402
 from dashrun.wire.channel import CHUNK  # noqa: E402
-from dashrun.wire.memd_client import MemdClient  # noqa: E402
 from dashrun.wire.messages import ShardHeader  # noqa: E402
 from dashrun.wire.protocol import crc32c  # noqa: E402
-from dashrun.wire.tls import TlsSettings  # noqa: E402
 
 
 def staged(nbytes: int) -> memoryview:
@@ -80,23 +77,18 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float,
     ``variants``: name -> (the sender yields to its local peer, dash-memd receives through its landing buffer).
     """
     scratch = Path(tempfile.mkdtemp(prefix="bench-stream-"))
-    token = write_token(scratch / "token")
-    memds: dict[bool, subprocess.Popen] = {}
+    write_token(scratch / "token")
+    memds: dict[bool, Memd] = {}
     times: dict[str, list[float]] = {name: [] for name in variants}
     try:
         clients = {}
         for landing in sorted({landing for _, landing in variants.values()}):
             where = scratch / ("landing" if landing else "straight-in")
             where.mkdir()
-            command = ["-m", "dashrun.memd"] if landing else ["-c", _MEMD_STRAIGHT_IN]
-            memds[landing] = daemon.start(
-                [sys.executable, *command, "start", "--listen", "127.0.0.1:0", "--data-dir", str(where / "data"),
-                 "--memory-limit", f"{4 * len(view) + (1 << 30)}", "--token-file", str(scratch / "token"),
-                 "--ready-file", str(where / "ready"), "--no-tls"],
-                ready=daemon.file_written(where / "ready"), what="dash-memd", log=where / "memd.log", timeout=60,
-                cwd=REPO, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-            host, port = (where / "ready").read_text().strip().rsplit(":", 1)
-            clients[landing] = MemdClient(host, int(port), token, tls=TlsSettings(plaintext=True))
+            memds[landing] = Memd(where / "data", scratch / "token", "--memory-limit", f"{4 * len(view) + (1 << 30)}",
+                                  "--no-tls", log_path=where / "memd.log", core=core, timeout=60,
+                                  entry=ENTRY if landing else ("-c", _MEMD_STRAIGHT_IN), cwd=REPO).start(port=0)
+            clients[landing] = memds[landing].client()
         os.sched_setaffinity(0, {core})  # the sender (dash-agent's part) shares dash-memd's core
         known = crc32c(view)  # the rank's, computed as it staged: the sender only sends; dash-memd still verifies
         step = 0
@@ -122,7 +114,7 @@ def through_memd(view: memoryview, core: int, rounds: int, pause: float,
         channel.YIELD_TO_LOCAL_PEER = True
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         for memd in memds.values():
-            daemon.stop(memd, timeout=60)
+            memd.stop(timeout=60)
     shutil.rmtree(scratch, ignore_errors=True)  # its checkpoints would fill the disk; after a failure the log stays
     return times
 

@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -40,8 +38,8 @@ console = Console()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_metadata import FakeMetadata  # noqa: E402  (a script beside this one)
 
-from dashrun.errors import UnavailableError  # noqa: E402
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.memd import Memd  # noqa: E402
+from dashrun.testing.processes import NotServing, kill_tree  # noqa: E402
 
 
 def read_losses(path: Path) -> dict[int, list[str]]:
@@ -53,17 +51,6 @@ def read_losses(path: Path) -> dict[int, list[str]]:
     return losses
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in family:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-    psutil.wait_procs(family[1:], timeout=30)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -73,25 +60,22 @@ def main() -> int:
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dashrun-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    token, ready = work / "token", work / "memd.addr"
-    ready.unlink(missing_ok=True)
+    token = work / "token"
     if not token.exists():
         subprocess.run([sys.executable, "-m", "dashrun.memd", "token", "--out", str(token)], check=True,
                        stdout=subprocess.DEVNULL)
 
     console.rule("[bold]1. a private dash-memd on loopback, and a fake AWS metadata service")
+    memd = Memd(work / "memd-data", token, "--memory-limit", "1GiB", log_path=work / "memd.log", timeout=30)
     try:
-        memd = daemon.start([sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0",
-                             "--data-dir", str(work / "memd-data"), "--memory-limit", "1GiB",
-                             "--token-file", str(token), "--ready-file", str(ready)],
-                            ready=daemon.file_written(ready), what="dash-memd", log=work / "memd.log", timeout=30)
-    except UnavailableError as e:
-        console.print((work / "memd.log").read_text())
-        console.print(f"[red]{e}")
+        memd.start(port=0)
+    except NotServing as e:
+        console.print(memd.log())
+        console.print(f"[red]{e.reason}")
         return 1
     fake = FakeMetadata("aws", imdsv2="required").start()
     try:
-        address = ready.read_text().strip()
+        address = memd.address
         console.print(f"dash-memd listening on {address} (log: {work / 'memd.log'}); AWS metadata at {fake.url}")
 
         def dashrun(job: str, loss_log: Path, *extra: str) -> list[str]:
@@ -180,7 +164,7 @@ def main() -> int:
         return 0 if identical else 1
     finally:
         fake.stop()
-        daemon.stop(memd, timeout=60)
+        memd.stop(timeout=60)
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import itertools
 import logging
 import os
@@ -55,60 +56,19 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from dashrun.util import daemon  # noqa: E402
+from dashrun.testing.agent import Agent  # noqa: E402
+from dashrun.testing.memd import Memd  # noqa: E402
 from dashrun.wire.memd_client import MemdClient  # noqa: E402
-from dashrun.wire.tls import TlsSettings  # noqa: E402
 
-__all__ = ["MemdProcess", "NodeSpec", "SimNode", "expected_state", "verify_checkpoint"]
+__all__ = ["NodeSpec", "SimNode", "expected_state", "fleet_memd", "verify_checkpoint"]
 
 HERE = Path(__file__).resolve()
 
 
-class MemdProcess:
-    """A dash-memd process of the harness: started, killed (SIGKILL) and started again on the same port and data."""
-
-    def __init__(self, workdir: Path, token_file: Path, *extra: str):
-        self.data_dir = workdir / "memd-data"
-        self.log_path = workdir / "memd.log"
-        self.token_file = token_file
-        self.token = token_file.read_bytes().strip()
-        self.extra = extra
-        self.host, self.port = "127.0.0.1", 0
-        self.proc: subprocess.Popen | None = None
-        self._ready = workdir / "memd.ready"
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def no_tls(self) -> bool:
-        """Started with --no-tls: its clients and the nodes' agents must say so too."""
-        return "--no-tls" in self.extra
-
-    def start(self) -> MemdProcess:
-        self._ready.unlink(missing_ok=True)
-        self.proc = daemon.start(
-            [sys.executable, "-m", "dashrun.memd", "start", "--listen", f"{self.host}:{self.port}",
-             "--data-dir", str(self.data_dir), "--token-file", str(self.token_file), "--ready-file", str(self._ready),
-             *self.extra], ready=daemon.file_written(self._ready), what="dash-memd", log=self.log_path, timeout=120)
-        self.port = int(self._ready.read_text().strip().rsplit(":", 1)[1])
-        return self
-
-    def kill(self) -> None:
-        daemon.stop(self.proc, timeout=0)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            daemon.stop(self.proc, timeout=60)
-
-    def client(self, **kwargs) -> MemdClient:
-        kwargs.setdefault("tls", TlsSettings(plaintext=self.no_tls))
-        return MemdClient(self.host, self.port, self.token, **kwargs)
+def fleet_memd(workdir: Path, token_file: Path, *extra: str) -> Memd:
+    """The fleet's dash-memd (the harness's): its data and log in ``workdir``; killed (SIGKILL) and started again
+    on the same port and data."""
+    return Memd(workdir / "memd-data", token_file, *extra, log_path=workdir / "memd.log", timeout=120)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +138,7 @@ def verify_checkpoint(client: MemdClient, job: str, step: int, state_kib: int) -
 class SimNode:
     """One simulated node: its dash-agent and its group of ranks (a job of its own), under the harness."""
 
-    def __init__(self, index: int, memd: MemdProcess, workdir: Path, spec: NodeSpec):
+    def __init__(self, index: int, memd: Memd, workdir: Path, spec: NodeSpec):
         self.index = index
         self.job = f"sim-{index:03d}"
         self.memd = memd
@@ -197,12 +157,10 @@ class SimNode:
         return self
 
     def _start_agent(self) -> None:
-        self.agent = daemon.start(
-            [sys.executable, "-m", "dashrun.agent", "--memd", self.memd.address, "--token-file",
-             str(self.memd.token_file), "--socket", str(self.socket_path), "--job-id", self.job, "--cloud", "none",
-             "--memd-timeout", "10", "--drain-timeout", "5", *(["--no-tls"] if self.memd.no_tls else [])],
-            ready=daemon.accepting(self.socket_path), what=f"dash-agent of {self.job}", log=self.dir / "agent.log",
-            timeout=120, start_new_session=True)
+        self.agent = Agent(self.memd, self.socket_path, self.dir / "agent.log",
+                           options=("--job-id", self.job, "--cloud", "none", "--memd-timeout", "10",
+                                    "--drain-timeout", "5"),
+                           timeout=120, what=f"dash-agent of {self.job}", start_new_session=True).proc
 
     def _start_group(self) -> None:
         spec = self.spec
@@ -333,7 +291,7 @@ def group_main(args: argparse.Namespace) -> None:
     """Fork the ranks; when one exits, kill the rest and fork them all again (a new generation)."""
     import torch  # once, here: the forked ranks share it
 
-    import dashrun.rank.checkpointer  # noqa: F401
+    importlib.import_module("dashrun.rank.checkpointer")  # once, here, for the forks
     torch.set_num_threads(1)
     # The first optimizer made in a process imports seconds' worth of torch: here, once, not in every fork.
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1), requires_grad=False)], lr=0.0).step()

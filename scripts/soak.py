@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
-from fleet import MemdProcess, NodeSpec, SimNode, verify_checkpoint  # noqa: E402
+from fleet import NodeSpec, SimNode, fleet_memd, verify_checkpoint  # noqa: E402
 
 from dashrun.errors import DashError, NotFoundError  # noqa: E402
 from dashrun.util.tokens import write_token  # noqa: E402
@@ -62,7 +62,7 @@ class Soak:
         self.rng = random.Random(args.seed)
         token = workdir / "token"
         write_token(token)
-        self.memd = MemdProcess(workdir, token, "--memory-limit", args.memory_limit)
+        self.memd = fleet_memd(workdir, token, "--memory-limit", args.memory_limit)
         self.spec = NodeSpec(ranks=args.ranks, state_kib=args.state_kib, step_time=args.step_time,
                              interval=args.interval, confirm_every=args.confirm_every)
         self.nodes = [SimNode(i, self.memd, workdir, self.spec) for i in range(args.nodes)]
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for node in soak.nodes:
             node.stop()
-        soak.memd.stop()
+        soak.memd.stop(timeout=60)
         if not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print_summary(result)

@@ -1,5 +1,6 @@
 """The harness works, and it can fail: the leak check catches and names what a test leaves running, wait_for
-fails at its deadline, kill_tree reaches grandchildren, dash-memd starts and stops."""
+fails at its deadline, kill_tree reaches grandchildren, dash-memd starts and stops, pinned if asked, and says why it
+did not; the benchmarks' pinned pair serves and stops with its Processes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import psutil
 import pytest
 
 from dashrun.testing import leaks
+from dashrun.testing.daemons import start_dash_daemons
 from dashrun.testing.memd import Memd
-from dashrun.testing.processes import Processes, WaitTimeout, kill_tree, wait_for
+from dashrun.testing.processes import NotServing, Processes, WaitTimeout, kill_tree, wait_for
+from dashrun.util import daemon
 from dashrun.util.tokens import write_token
 
 #: A shell that starts a grandchild and prints its pid, then waits for it.
@@ -113,3 +116,32 @@ def test_memd_starts_serves_and_stops(tmp_path):
     finally:
         assert memd.stop() == 0
     assert memd.proc.poll() == 0
+
+
+def test_memd_pinned_to_a_core_and_a_failed_start_says_why(tmp_path):
+    write_token(tmp_path / "token")
+    core = max(os.sched_getaffinity(0))
+    memd = Memd(tmp_path / "data", tmp_path / "token", "--memory-limit", "64MiB", log_path=tmp_path / "memd.log",
+                core=core)
+    memd.start(port=0)
+    try:
+        assert psutil.Process(memd.pid).cpu_affinity() == [core]
+    finally:
+        assert memd.stop(timeout=30) == 0
+    broken = Memd(tmp_path / "data", tmp_path / "token", log_path=tmp_path / "broken.log", timeout=10,
+                  entry=("-c", "import sys; print('no memd here'); sys.exit(3)"))
+    with pytest.raises(NotServing, match="no memd here") as caught:
+        broken.start(port=0)
+    assert caught.value.reason.startswith("dash-memd exited with code 3 before it was ready")
+    assert "no memd here" not in caught.value.reason
+
+
+def test_the_benchmarks_pair_serves_pinned_and_stops_with_its_processes(tmp_path):
+    core = min(os.sched_getaffinity(0))
+    with Processes() as procs:
+        pair = start_dash_daemons(tmp_path / "pair", procs, core, core, plaintext=True)
+        assert [name for name, _ in procs.procs] == ["dash-memd", "dash-agent"]
+        assert all(psutil.Process(p.pid).cpu_affinity() == [core] for p in (pair.memd, pair.agent))
+        assert daemon.accepting(pair.socket)()
+        assert "--no-tls" in psutil.Process(pair.agent.pid).cmdline()
+    assert pair.memd.poll() is not None and pair.agent.poll() is not None

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from dashrun.testing.pinning import pinned
+from dashrun.testing.agent import Agent
+from dashrun.testing.memd import Memd
 from dashrun.testing.processes import Processes
-from dashrun.util import daemon
 from dashrun.util.tokens import write_token
 from dashrun.wire.tls import TlsSettings
 
@@ -45,24 +44,14 @@ def start_dash_daemons(directory: Path, procs: Processes, core: int, agent_core:
     """
     env = dict(os.environ if env is None else env)
     tls = TlsSettings(plaintext=plaintext)
-
-    tls = TlsSettings(plaintext=plaintext)
     directory.mkdir(parents=True, exist_ok=True)
     token_file = directory / "token"
     write_token(token_file)
-    ready = directory / "memd.ready"
-    memd_log = directory / "memd.log"
-    memd = procs.start_daemon("dash-memd", pinned(
-        [sys.executable, "-m", "dashrun.memd", "start", "--listen", "127.0.0.1:0", "--data-dir",
-         str(directory / "memd-data"), "--memory-limit", "4GiB", "--token-file", str(token_file),
-         "--ready-file", str(ready), *tls.args()], core), ready=daemon.file_written(ready), log=memd_log,
-        cwd=cwd, env=env)
-    host, port = ready.read_text().strip().rsplit(":", 1)
-    sock_path = directory / "agent.sock"
-    agent_log = directory / "agent.log"
-    agent = procs.start_daemon("dash-agent", pinned(
-        [sys.executable, "-m", "dashrun.agent", "--memd", f"{host}:{port}", "--token-file", str(token_file),
-         "--socket", str(sock_path), *tls.args()], agent_core), ready=daemon.accepting(sock_path),
-        log=agent_log,
-        cwd=cwd, env=env)
-    return DashDaemons(host, int(port), str(token_file), str(sock_path), plaintext, memd, agent, memd_log, agent_log)
+    memd = Memd(directory / "memd-data", token_file, "--memory-limit", "4GiB", *tls.args(),
+                log_path=directory / "memd.log", core=core, timeout=60, cwd=cwd, env=env).start(port=0)
+    procs.add("dash-memd", memd.proc)
+    agent = Agent(memd, directory / "agent.sock", directory / "agent.log", env, options=(), core=agent_core,
+                  timeout=60, cwd=cwd)
+    procs.add("dash-agent", agent.proc)
+    return DashDaemons(memd.host, memd.port, str(token_file), str(agent.socket_path), plaintext, memd.proc,
+                       agent.proc, memd.log_path, agent.log_path)

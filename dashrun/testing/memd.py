@@ -7,8 +7,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from dashrun.errors import UnavailableError
+from dashrun.testing.pinning import pinned
+from dashrun.testing.processes import NotServing
 from dashrun.util import daemon
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.operator import write_key_pair
@@ -16,21 +19,34 @@ from dashrun.wire.tls import TlsSettings
 
 __all__ = ["Memd", "dashrun_cmd"]
 
+#: The interpreter's arguments that run dash-memd's command line.
+ENTRY = ("-m", "dashrun.memd")
+
 
 class Memd:
     """A dash-memd process; :meth:`start` returns once it serves, :meth:`stop` or :meth:`kill` ends it.
 
-    A failed start raises AssertionError with the end of its log, so that a test shows why.
+    ``extra``: its options beyond where it listens, its data, token and ready file. ``core``: pinned to that CPU
+    (:func:`~dashrun.testing.pinning.pinned`). ``timeout``: seconds it may take to serve. ``entry``: the
+    interpreter's arguments that run its command line (a variant of dash-memd: ``("-c", code)``). Other keywords
+    go to :class:`subprocess.Popen` (``cwd``, ``env``). A failed start raises :class:`NotServing` (an
+    AssertionError) with the end of its log, so that a test shows why.
     """
 
-    def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path):
+    def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path, core: int | None = None,
+                 timeout: float = 30, entry: Sequence[str] = ENTRY, **popen_kwargs):
         self.data_dir, self.token_file, self.extra, self.log_path = data_dir, token_file, extra, log_path
+        self.core, self.timeout, self.entry, self.popen_kwargs = core, timeout, tuple(entry), popen_kwargs
         self.proc: subprocess.Popen | None = None
         self.host, self.port = "127.0.0.1", 0
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     @property
     def token(self) -> bytes:
@@ -53,13 +69,14 @@ class Memd:
         """Start it (again, on its previous port unless ``port`` says another; 0 is any free one)."""
         ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
         listen = f"127.0.0.1:{self.port if port is None else port}"
+        cmd = [sys.executable, *self.entry, "start", "--listen", listen, "--data-dir", str(self.data_dir),
+               "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra]
         try:
-            self.proc = daemon.start(
-                [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
-                 "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra],
-                ready=daemon.file_written(ready), what="dash-memd", log=self.log_path, timeout=30)
+            self.proc = daemon.start(cmd if self.core is None else pinned(cmd, self.core),
+                                     ready=daemon.file_written(ready), what="dash-memd", log=self.log_path,
+                                     timeout=self.timeout, **self.popen_kwargs)
         except UnavailableError as e:
-            raise AssertionError(f"{e}: {self.log()[-2000:]}") from None
+            raise NotServing(str(e), self.log()[-2000:]) from None
         self.host, port = ready.read_text().strip().rsplit(":", 1)
         self.port = int(port)
         ready.unlink()
@@ -74,8 +91,9 @@ class Memd:
         kwargs.setdefault("tls", TlsSettings(plaintext=bool(self.tls_args)))
         return MemdClient(self.host, self.port, self.token, **kwargs)
 
-    def stop(self) -> int | None:
-        return daemon.stop(self.proc, timeout=30) if self.proc is not None else None
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM (it finishes its work), then SIGKILL after ``timeout`` s; its exit code."""
+        return daemon.stop(self.proc, timeout=timeout) if self.proc is not None else None
 
     def kill(self) -> None:
         daemon.stop(self.proc, timeout=0)

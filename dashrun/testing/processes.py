@@ -17,13 +17,22 @@ import psutil
 
 from dashrun.util import daemon
 
-__all__ = ["Processes", "WaitTimeout", "free_port", "kill_tree", "wait_for"]
+__all__ = ["NotServing", "Processes", "WaitTimeout", "free_port", "kill_tree", "wait_for"]
 
 T = TypeVar("T")
 
 
 class WaitTimeout(AssertionError):
     """A condition polled by :func:`wait_for` was not met by its deadline."""
+
+
+class NotServing(AssertionError):
+    """A daemon exited, or missed its deadline, before it served: ``reason`` says which in one line (and where
+    its log is), the message adds the end of its log."""
+
+    def __init__(self, reason: str, log_tail: str = ""):
+        super().__init__(f"{reason}: {log_tail}" if log_tail else reason)
+        self.reason = reason
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 30.0, what: str = "condition",

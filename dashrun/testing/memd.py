@@ -1,4 +1,8 @@
-"""A real dash-memd on a free loopback port, started and stopped by the test or script that made it."""
+"""A real dash-memd on a free port, started and stopped by the test or script that made it.
+
+On loopback by default; with ``netns=node`` (a :class:`dashrun.testing.netns.Node`) inside that node's network
+namespace, on its address, so that its link can be cut or shaped like any node's.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +27,11 @@ class Memd:
     A failed start raises AssertionError with the end of its log, so that a test shows why.
     """
 
-    def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path):
+    def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path, netns=None):
         self.data_dir, self.token_file, self.extra, self.log_path = data_dir, token_file, extra, log_path
+        self.netns = netns
         self.proc: subprocess.Popen | None = None
-        self.host, self.port = "127.0.0.1", 0
+        self.host, self.port = ("127.0.0.1" if netns is None else netns.address), 0
 
     @property
     def address(self) -> str:
@@ -52,12 +57,12 @@ class Memd:
     def start(self, port: int | None = None) -> Memd:
         """Start it (again, on its previous port unless ``port`` says another; 0 is any free one)."""
         ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
-        listen = f"127.0.0.1:{self.port if port is None else port}"
+        listen = f"{self.host}:{self.port if port is None else port}"
+        cmd = [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
+               "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra]
         try:
-            self.proc = daemon.start(
-                [sys.executable, "-m", "dashrun.memd", "start", "--listen", listen, "--data-dir", str(self.data_dir),
-                 "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra],
-                ready=daemon.file_written(ready), what="dash-memd", log=self.log_path, timeout=30)
+            self.proc = daemon.start(cmd if self.netns is None else self.netns.command(cmd),
+                                     ready=daemon.file_written(ready), what="dash-memd", log=self.log_path, timeout=30)
         except UnavailableError as e:
             raise AssertionError(f"{e}: {self.log()[-2000:]}") from None
         self.host, port = ready.read_text().strip().rsplit(":", 1)

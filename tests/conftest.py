@@ -76,12 +76,13 @@ def token_file(tmp_path) -> Path:
 
 @pytest.fixture
 def memd_factory(tmp_path, token_file):
-    """``make(*options, data_dir=None)``: a started dash-memd (harness Memd), stopped after the test."""
+    """``make(*options, data_dir=None, netns=None)``: a started dash-memd (harness Memd), stopped after the test;
+    with ``netns``, a fleet node's, inside that node's namespace."""
     started: list[Memd] = []
 
-    def make(*extra: str, data_dir: Path | None = None) -> Memd:
+    def make(*extra: str, data_dir: Path | None = None, netns=None) -> Memd:
         memd = Memd(data_dir or tmp_path / f"memd-data-{len(started)}", token_file, *extra,
-                    log_path=tmp_path / f"memd-{len(started)}.log")
+                    log_path=tmp_path / f"memd-{len(started)}.log", netns=netns)
         started.append(memd)
         return memd.start()
 
@@ -97,11 +98,13 @@ def memd(memd_factory) -> Memd:
 
 @pytest.fixture
 def agent_factory(short_tmp, tmp_path):
-    """``make(memd, env=None)``: a serving dash-agent (harness Agent), stopped after the test."""
+    """``make(memd, env=None, netns=None)``: a serving dash-agent (harness Agent), stopped after the test; with
+    ``netns``, a fleet node's, inside that node's namespace."""
     started: list[Agent] = []
 
-    def make(memd: Memd, env: dict | None = None) -> Agent:
-        agent = Agent(memd, short_tmp / f"a{len(started)}.sock", tmp_path / f"agent-{len(started)}.log", env)
+    def make(memd: Memd, env: dict | None = None, netns=None) -> Agent:
+        agent = Agent(memd, short_tmp / f"a{len(started)}.sock", tmp_path / f"agent-{len(started)}.log", env,
+                      netns=netns)
         started.append(agent)
         return agent
 

@@ -135,7 +135,8 @@ class Node:
     """One node's dashrun, as its boot script would start it."""
 
     def __init__(self, memd, job: str, out: Path, index: int, steps: int, *extra: str, nnodes: str = "2:3",
-                 delay: float = 0.15, interval: int = 4, netns=None, script: tuple[str, ...] = ()):
+                 delay: float = 0.15, interval: int = 4, netns=None, script: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
         self.name = netns.address if netns is not None else f"127.0.0.{index}"
         cmd = dashrun_cmd(memd, "--nnodes", nnodes, "--local-addr", self.name, "--monitor-interval", "0.1", *extra,
                           str(ELASTIC_TRAIN), "--out", str(out), "--steps", str(steps), "--samples", str(SAMPLES),
@@ -144,7 +145,8 @@ class Node:
         self.log_path = out.parent / f"node-{index}.err"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(netns.command(cmd) if netns is not None else cmd, stdout=subprocess.DEVNULL,
-                                     stderr=self._log, env={**os.environ, "OMP_NUM_THREADS": "1", **self._gloo(netns)},
+                                     stderr=self._log, env={**os.environ, "OMP_NUM_THREADS": "1", **self._gloo(netns),
+                                          **(env or {})},
                                      start_new_session=True)
 
     @staticmethod

@@ -145,3 +145,29 @@ def test_the_benchmarks_pair_serves_pinned_and_stops_with_its_processes(tmp_path
         assert daemon.accepting(pair.socket)()
         assert "--no-tls" in psutil.Process(pair.agent.pid).cmdline()
     assert pair.memd.poll() is not None and pair.agent.poll() is not None
+
+
+def test_memd_runs_in_a_fleet_nodes_namespace_on_its_address(fleet_factory, memd_factory):
+    fleet = fleet_factory(1)
+    memd = memd_factory("--memory-limit", "64MiB", netns=fleet[0])
+    assert memd.address.startswith(f"{fleet[0].address}:")
+    found = subprocess.run(["ip", "netns", "identify", str(memd.proc.pid)], capture_output=True, text=True, timeout=30)
+    assert found.stdout.strip() == fleet[0].namespace  # the daemon itself, not a wrapper, is in the namespace
+    with memd.client() as client:  # from the root namespace, over the bridge
+        assert client.latest("nobody") is None
+
+
+def test_a_nodes_link_is_shaped_each_way_apart(fleet_factory):
+    """tc's token bucket holds the shaped direction to its rate; the other direction stays a veth's (far faster:
+    4x is a bound no machine misses)."""
+    fleet = fleet_factory(1)
+    node, nbytes, rate = fleet[0], 1 << 20, 8e6 / 8  # 8mbit: about a second for 1 MiB
+    node.shape("8mbit")
+    assert fleet.measure(node, None, nbytes) <= 1.25 * rate
+    assert fleet.measure(None, node, nbytes) > 4 * rate
+    node.shape(None)
+    node.shape_inbound("8mbit")
+    assert fleet.measure(None, node, nbytes) <= 1.25 * rate
+    assert fleet.measure(node, None, nbytes) > 4 * rate
+    node.shape_inbound(None)
+    assert fleet.measure(None, node, nbytes) > 4 * rate

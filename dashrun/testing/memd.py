@@ -1,4 +1,8 @@
-"""A real dash-memd on a free loopback port, started and stopped by the test or script that made it."""
+"""A real dash-memd on a free port, started and stopped by the test or script that made it.
+
+On loopback by default; with ``netns=node`` (a :class:`dashrun.testing.netns.Node`) inside that node's network
+namespace, on its address, so that its link can be cut or shaped like any node's.
+"""
 
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ class Memd:
     """
 
     def __init__(self, data_dir: Path, token_file: Path, *extra: str, log_path: Path, core: int | None = None,
-                 timeout: float = 30, entry: Sequence[str] = ENTRY, **popen_kwargs):
+                 timeout: float = 30, entry: Sequence[str] = ENTRY, netns=None, **popen_kwargs):
         self.data_dir, self.token_file, self.extra, self.log_path = data_dir, token_file, extra, log_path
         self.core, self.timeout, self.entry, self.popen_kwargs = core, timeout, tuple(entry), popen_kwargs
+        self.netns = netns  # a fleet node (dashrun.testing.netns) whose namespace it runs in; None: this one
         self.proc: subprocess.Popen | None = None
-        self.host, self.port = "127.0.0.1", 0
+        self.host, self.port = ("127.0.0.1" if netns is None else netns.address), 0
 
     @property
     def address(self) -> str:
@@ -68,12 +73,15 @@ class Memd:
     def start(self, port: int | None = None) -> Memd:
         """Start it (again, on its previous port unless ``port`` says another; 0 is any free one)."""
         ready = self.data_dir.parent / f"memd-ready-{os.getpid()}-{time.monotonic_ns()}"
-        listen = f"127.0.0.1:{self.port if port is None else port}"
+        listen = f"{self.host}:{self.port if port is None else port}"
         cmd = [sys.executable, *self.entry, "start", "--listen", listen, "--data-dir", str(self.data_dir),
                "--token-file", str(self.token_file), "--ready-file", str(ready), *self.extra]
+        if self.core is not None:
+            cmd = pinned(cmd, self.core)
+        if self.netns is not None:
+            cmd = self.netns.command(cmd)
         try:
-            self.proc = daemon.start(cmd if self.core is None else pinned(cmd, self.core),
-                                     ready=daemon.file_written(ready), what="dash-memd", log=self.log_path,
+            self.proc = daemon.start(cmd, ready=daemon.file_written(ready), what="dash-memd", log=self.log_path,
                                      timeout=self.timeout, **self.popen_kwargs)
         except UnavailableError as e:
             raise NotServing(str(e), self.log()[-2000:]) from None

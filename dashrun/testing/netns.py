@@ -28,6 +28,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 from typing import Sequence
 
@@ -100,11 +101,45 @@ class Node:
 
     def shape(self, rate: str | None) -> None:
         """Limit what the node sends to ``rate`` (tc's units: ``8mbit``); None lifts the limit."""
-        base = ["ip", "netns", "exec", self.namespace, "tc", "qdisc"]
-        subprocess.run([*base, "del", "dev", self.node_end, "root"], capture_output=True, timeout=30)
-        if rate is not None:
-            subprocess.run([*base, "add", "dev", self.node_end, "root", "tbf", "rate", rate, "burst", "32kbit",
-                            "latency", "1s"], capture_output=True, text=True, check=True, timeout=30)
+        _tbf(["ip", "netns", "exec", self.namespace], self.node_end, rate)
+
+    def shape_inbound(self, rate: str | None) -> None:
+        """Limit what the node receives to ``rate``: the same tbf on the bridge's end of its veth, whose egress
+        is the node's ingress (a qdisc shapes only what leaves a device); None lifts the limit."""
+        _tbf([], self.host_end, rate)
+
+
+def _tbf(prefix: list[str], device: str, rate: str | None) -> None:
+    """Replace ``device``'s root qdisc by a token bucket of ``rate`` (None: back to the default).
+
+    The bucket is small (4 KiB), so that the rate holds over milliseconds, not only on average (tbf cuts a GSO
+    packet larger than it into segments). netem is not used: it is missing on some kernels.
+    """
+    base = [*prefix, "tc", "qdisc"]
+    subprocess.run([*base, "del", "dev", device, "root"], capture_output=True, timeout=30)
+    if rate is not None:
+        subprocess.run([*base, "add", "dev", device, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "1s"],
+                       capture_output=True, text=True, check=True, timeout=30)
+
+
+#: The two ends of :meth:`Fleet.measure`: a plain socket each, the receiver's clock.
+_RECEIVER = """import socket, sys, time
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+buf, n, first = bytearray(1 << 20), 0, None
+while (k := conn.recv_into(buf)):
+    first = first or time.perf_counter()
+    n += k
+print(n, time.perf_counter() - first)
+"""
+_SENDER = """import socket, sys
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+left, piece = int(sys.argv[3]), bytes(1 << 20)
+while left:
+    left -= conn.send(memoryview(piece)[:min(left, len(piece))])
+conn.close()
+"""
 
 
 def _subnet_index() -> int:
@@ -154,6 +189,28 @@ class Fleet:
         for node in self.nodes:
             node._remove()
         _ip("link", "del", self.bridge, check=False)
+
+    def measure(self, sender: Node | None, receiver: Node | None, nbytes: int, timeout: float = 120) -> float:
+        """Bytes per second a bare TCP pair (no TLS, no framing) moves ``nbytes`` at from ``sender`` to
+        ``receiver`` (None: the root namespace, on the bridge): the link's own limit, timed by the receiver from
+        its first byte to its last."""
+        where = receiver.address if receiver is not None else self.host_address
+        recv_cmd = [sys.executable, "-c", _RECEIVER, where]
+        recv = subprocess.Popen(receiver.command(recv_cmd) if receiver else recv_cmd, stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            port = recv.stdout.readline().strip()
+            send_cmd = [sys.executable, "-c", _SENDER, where, port, str(nbytes)]
+            subprocess.run(sender.command(send_cmd) if sender else send_cmd, check=True, timeout=timeout)
+            got, seconds = recv.communicate(timeout=timeout)[0].split()
+        finally:
+            if recv.poll() is None:
+                recv.kill()
+            recv.wait()
+            recv.stdout.close()
+        if int(got) != nbytes:
+            raise AssertionError(f"the receiver got {got} of {nbytes} bytes")
+        return nbytes / float(seconds)
 
 
 class Relay:

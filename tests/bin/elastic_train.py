@@ -21,6 +21,19 @@ from torch.utils.data import DataLoader, TensorDataset
 import dashrun
 
 
+class Ballast:
+    """State that only takes room: random bytes, the same on every rank (seeded), changed a little each step."""
+
+    def __init__(self, mib: float):
+        self.tensor = torch.rand(int(mib * (1 << 20)) // 4, generator=torch.Generator().manual_seed(7))
+
+    def state_dict(self):
+        return {"tensor": self.tensor}
+
+    def load_state_dict(self, state):
+        self.tensor = state["tensor"].clone()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
@@ -32,6 +45,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--fail-once-at", type=int, default=None,
                         help="the rank fails (exit 3) on reaching this step, the first time only: a bug of its own")
+    parser.add_argument("--ballast-mib", type=float, default=0.0,
+                        help="MiB of replicated state besides the model's (alike on every rank): what a link must carry")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -41,7 +56,8 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = TensorDataset(torch.arange(args.samples))
     sampler = dashrun.ElasticSampler(data, shuffle=True, seed=0, global_batch_size=args.global_batch)
-    ckpt = dashrun.Checkpointer(model=model, optimizer=opt, sampler=sampler, interval=args.interval)
+    ballast = {"ballast": Ballast(args.ballast_mib)} if args.ballast_mib else {}
+    ckpt = dashrun.Checkpointer(model=model, optimizer=opt, sampler=sampler, interval=args.interval, **ballast)
     step = ckpt.restore()
     loader = DataLoader(data, batch_size=sampler.batch_size, sampler=sampler)
     membership = ckpt.membership or {}
@@ -60,6 +76,8 @@ def main():
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+                if ballast:
+                    ballast["ballast"].tensor[0] = step  # each step's bytes its own
                 if step == args.fail_once_at and not os.path.exists(os.path.join(args.out, "failed-once")):
                     open(os.path.join(args.out, "failed-once"), "w").close()
                     os._exit(3)

@@ -44,9 +44,13 @@ started (its first line ran), imported torch and built the model.
 Placement, as dashrun places a two-core node: the restoring process on the
 first core; dash-memd and dash-agent on the second.
 
+With ``--peers`` (root): restore from the fleet's own RAM against dash-memd behind a thin link, in network
+namespaces, and what replicas cost the training nodes (``scripts/bench_peers.py`` says how).
+
 Usage::
 
     python3 scripts/bench_restore.py [--sizes-mib 256,1024,2048] [--rounds 3] [--json OUT]
+    python3 scripts/bench_restore.py --peers [--size-mib 64] [--memd-rate 200mbit] [--json OUT]
 """
 
 from __future__ import annotations
@@ -412,6 +416,11 @@ def measure(sizes: list[int], rounds: int, procs: benchlib.Processes, cores: tup
 
 
 def main() -> None:
+    if "--peers" in sys.argv[1:]:
+        import bench_peers
+
+        bench_peers.main(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", default="256,1024,2048", help="state sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)

@@ -79,6 +79,11 @@ def fetches(log: str, job: str = JOB) -> list[tuple[int, str, float]]:
     return [(int(m.group(2)), m.group(3), float(m.group(4))) for m in FETCHED.finditer(log) if m.group(1) == job]
 
 
+def from_own_store(source: str) -> bool:
+    """Whether a restore's account names this agent's store alone: no byte over TCP, from a peer or dash-memd."""
+    return re.fullmatch(r"\d+ bytes from this agent's store", source) is not None
+
+
 def big_state(seed: int = 0):
     """6 MiB of model and AdamW state: seconds on dash-memd's thin link."""
     torch.manual_seed(seed)
@@ -258,8 +263,7 @@ def test_a_rank_killed_alone_is_restored_from_its_own_nodes_ram(in_namespaces, f
     restored = fetches(nodes[0].log())
     assert restored and fetches(nodes[1].log()), nodes[0].log()[-3000:]  # both nodes' ranks restarted, restored
     for node in nodes:  # every byte of every restore from the node's own dash-agent: nothing over TCP
-        assert all(re.fullmatch(r"\d+ bytes from this agent's store", source) for _, source, _ in fetches(node.log())), \
-            fetches(node.log())
+        assert all(from_own_store(source) for _, source, _ in fetches(node.log())), fetches(node.log())
     print(f"\na rank killed alone: restored step {restored[0][0]} ({restored[0][1]}) in {restored[0][2]:.3f}s")
     assert_redone_at_most(out, steps, 4, killed_after)
 
@@ -301,8 +305,7 @@ def test_an_elastic_job_behind_a_thin_link_loses_a_node_and_goes_on_from_the_fle
     for started in (nodes[0], nodes[2]):
         assert started.wait(120) == 0, started.log()[-3000:]
     resumed = [f for f in fetches(nodes[0].log()) if f[0] <= killed_after]
-    assert resumed and all(re.fullmatch(r"\d+ bytes from this agent's store", source) for _, source, _ in resumed), \
-        nodes[0].log()[-3000:]
+    assert resumed and all(from_own_store(source) for _, source, _ in resumed), nodes[0].log()[-3000:]
     step, source, seconds = resumed[-1]
     nbytes = int(source.split()[0])
     print(f"\nthe survivor resumed at step {step + 1} from its own store ({nbytes} bytes) in {seconds:.3f}s; "

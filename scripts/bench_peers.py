@@ -1,0 +1,289 @@
+"""Restore from the fleet's own RAM against dash-memd behind a thin link (``bench_restore.py --peers``; root).
+
+A fleet of network namespaces on one bridge (``dashrun.testing.netns``): dash-memd in one of its own, its link
+shaped both ways with ``tc tbf`` (``--memd-rate``); three holder nodes, each a dash-agent with one rank (this
+process), save the state as one job with ``--replicas 1`` (each node keeps its own shard and one other's), and
+the same state again as a second job through agents with ``--replicas 0`` (only dash-memd holds it). Then, in
+the same run, side by side, N = 1, 2, 3 new nodes restore it at once (a rank process each, released together),
+from the peers and from dash-memd: per node and the wall time of the N, with their ratio.
+
+The peer link's limit: a bare TCP pair (no TLS, no framing, ``Fleet.measure``) moving the same bytes from a
+holder's namespace to a new node's, over the same veth and bridge; restore-from-peer / that limit.
+
+What replicas cost the training nodes: two nodes (two agents, a rank each, trained and checkpointed in this
+process, ``--interval``) train for ``--steps`` steps without checkpoints, with ``--replicas 0`` and with
+``--replicas 1``, dash-memd's link unshaped; the added training time per checkpoint of each, and the agents'
+memory (RSS) after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import benchlib
+
+from dashrun.testing import netns
+from dashrun.testing.agent import Agent
+from dashrun.testing.memd import Memd
+from dashrun.testing.processes import wait_for
+
+MiB = 1 << 20
+HOLDERS = 3
+
+#: A new node's rank: builds the model, then waits for the go-file and restores (one line: its seconds).
+RESTORER = """
+import os, sys, time
+sys.path.insert(0, {scripts!r})
+import torch
+torch.set_num_threads(1)
+from benchlib import build_model
+model, optimizer, _batch, _ = build_model({size})
+import dashrun
+ckpt = dashrun.Checkpointer(model=model, optimizer=optimizer, interval=10**9)
+print("READY", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.002)
+started = time.perf_counter()
+step = ckpt.restore()
+print("RESTORED", step, time.perf_counter() - started, time.time(), flush=True)
+ckpt.close()
+"""
+
+
+class Bench:
+    def __init__(self, fleet: netns.Fleet, workdir: Path, size: int, rate: str):
+        from dashrun.util.tokens import write_token
+
+        self.fleet, self.dir, self.size, self.rate = fleet, workdir, size, rate
+        self.token_file = workdir / "token"
+        write_token(self.token_file)
+        self.thin = fleet[0]  # dash-memd's
+        self.holders = fleet.nodes[1:1 + HOLDERS]
+        self.newcomers = fleet.nodes[1 + HOLDERS:]
+        self.thin.shape(rate)
+        self.thin.shape_inbound(rate)
+        self.memd = Memd(workdir / "memd-data", self.token_file, "--memory-limit", "2GiB",
+                         log_path=workdir / "memd.log", netns=self.thin).start()
+        self.agents: list[Agent] = []
+
+    def agent(self, node: netns.Node, name: str, job: str, replicas: int, prefetch: bool = False) -> Agent:
+        env = {"DASH_JOB_ID": job, "DASH_REPLICAS": str(replicas), "DASH_PEER_PORT": "0", "DASH_NODE": name,
+               "DASH_FAILURE_DOMAIN": f"z-{name}/p", "DASH_CLOUD": "none", **benchlib.child_env(),
+               **({"DASH_PEER_MEMORY_LIMIT": str(4 * self.size)} if replicas else {}),
+               **({} if prefetch else {"DASH_NO_PREFETCH": "1"})}
+        agent = Agent(self.memd, self.dir / f"{name}.sock", self.dir / f"{name}.log", env, netns=node)
+        self.agents.append(agent)
+        return agent
+
+    def rank_env(self, agent: Agent, job: str, rank: int, world: int) -> dict:
+        return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1", "DASH_JOB_ID": job,
+                "DASH_AGENT_SOCKET": str(agent.socket_path), "DASH_MEMD": self.memd.address,
+                "DASH_TOKEN_FILE": str(self.token_file)}
+
+    def checkpointers(self, agents: list[Agent], job: str, model, optimizer, interval: int) -> list:
+        import dashrun
+
+        made = []
+        for rank, agent in enumerate(agents):
+            with mock.patch.dict(os.environ, self.rank_env(agent, job, rank, len(agents))):
+                made.append(dashrun.Checkpointer(model=model, optimizer=optimizer, interval=interval))
+        return made
+
+    def save(self, job: str, replicas: int, model, optimizer) -> int:
+        agents = [self.agent(node, f"{job}-h{i}", job, replicas) for i, node in enumerate(self.holders)]
+        if replicas:
+            for agent in agents:
+                wait_for(lambda: "this node's replicas go to" in agent.log() and "no other" not in
+                         agent.log().rsplit("replicas go to", 1)[-1], 60, "replicas placed")
+        ranks = self.checkpointers(agents, job, model, optimizer, 10**9)
+        for ckpt in ranks:
+            ckpt.save(7, force=True)
+        if not all(ckpt.wait(timeout=600) for ckpt in ranks):
+            raise RuntimeError(f"{job}: step 7 was not committed")
+        for ckpt in ranks:
+            ckpt.close()
+        with self.memd.client() as client:
+            if replicas:  # each holder announced its own shard and one other's
+                wait_for(lambda: sum(len(n.steps.get(7, [])) for n in client.fleet_view(job)[2]) >= 2 * HOLDERS,
+                         120, "the replicas to be held")
+            return client.latest(job).nbytes
+
+    def restore(self, job: str, count: int, replicas: int) -> dict:
+        """``count`` new nodes restore ``job`` at once; per node seconds and the wall time of them all."""
+        go = self.dir / f"go-{job}-{count}"
+        script = self.dir / "restorer.py"
+        script.write_text(RESTORER.format(scripts=str(Path(__file__).parent), size=self.size))
+        procs = []
+        for i in range(count):
+            agent = self.agent(self.newcomers[i], f"{job}-new{count}-{i}", job, replicas)
+            env = {**benchlib.child_env(), **self.rank_env(agent, job, i % HOLDERS, HOLDERS)}
+            procs.append(subprocess.Popen([sys.executable, str(script), str(go)], env=env, stdout=subprocess.PIPE,
+                                          text=True))
+        try:
+            for proc in procs:
+                if proc.stdout.readline().strip() != "READY":
+                    raise RuntimeError("a restoring rank did not start")
+            go.touch()
+            released = time.time()
+            lines = [proc.communicate(timeout=600)[0].split() for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        fetched = []  # the node's dash-agent's own account of its fetch (the rank then loads from its image)
+        for agent in self.agents[-count:]:
+            agent.stop()
+            fetched += [float(m.group(1)) for m in re.finditer(rf"fetched {job} step \d+ \(.*?\) in ([\d.]+)s",
+                                                                agent.log())]
+        seconds = [float(line[2]) for line in lines]
+        return {"per_node_s": seconds, "median_s": statistics.median(seconds),
+                "wall_s": max(float(line[3]) for line in lines) - released,
+                "agent_fetch_s": statistics.median(fetched) if fetched else None}
+
+    def stop(self) -> None:
+        for agent in reversed(self.agents):
+            if agent.proc.poll() is None:
+                agent.stop()
+        self.agents.clear()
+
+
+def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
+    """Two nodes train one model; the loop's seconds without checkpoints, with replicas 0 and with replicas 1."""
+    import psutil
+
+    bench.thin.shape(None)
+    bench.thin.shape_inbound(None)
+    model, optimizer, batch, _ = benchlib.build_model(bench.size)
+    trainer = benchlib.Trainer(model, optimizer, batch)
+    trainer.step()
+    times: dict[str, list[float]] = {"no checkpoints": [], "--replicas 0": [], "--replicas 1": []}
+    rss: dict[str, float] = {}
+    taken: dict[str, list[int]] = {}  # checkpoints a rank took (a due one is skipped while two are in flight)
+    for round_ in range(rounds):
+        for replicas in (0, 1):
+            job = f"train-r{replicas}-{round_}"
+            agents = [bench.agent(node, f"{job}-n{i}", job, replicas) for i, node in enumerate(bench.holders[:2])]
+            if replicas:
+                for agent in agents:
+                    wait_for(lambda: "this node's replicas go to" in agent.log() and "no other" not in
+                             agent.log().rsplit("replicas go to", 1)[-1], 60, "replicas placed")
+            ranks = bench.checkpointers(agents, job, model, optimizer, interval)
+            for label, saving in (("no checkpoints", False), (f"--replicas {replicas}", True)):
+                if label == "no checkpoints" and replicas:
+                    continue
+                started = time.perf_counter()
+                for step in range(steps):
+                    trainer.step()
+                    if saving:
+                        for ckpt in ranks:
+                            ckpt.save(step)
+                times[label].append(time.perf_counter() - started)
+                if saving:
+                    taken.setdefault(label, []).append(ranks[0].stats.snapshots)
+            for ckpt in ranks:
+                ckpt.wait(timeout=600)
+                ckpt.close()
+            rss[f"--replicas {replicas}"] = max(psutil.Process(a.proc.pid).memory_info().rss for a in agents)
+            bench.stop()
+    base = statistics.median(times["no checkpoints"])
+    return {"steps": steps, "interval": interval, "times_s": times, "checkpoints": taken,
+            "added_per_checkpoint_s": {label: statistics.median((t - base) / n
+                                                                for t, n in zip(times[label], taken[label]))
+                                       for label in taken},
+            "agent_rss_bytes": rss}
+
+
+def run(size: int, rate: str, steps: int, interval: int, rounds: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    with netns.Fleet(1 + HOLDERS + 3) as fleet:
+        bench = Bench(fleet, workdir, size, rate)
+        try:
+            model, optimizer, batch, described = benchlib.build_model(size)
+            benchlib.Trainer(model, optimizer, batch).step()
+            nbytes = bench.save("peers", 1, model, optimizer)
+            bench.save("memd", 0, model, optimizer)
+            restores = {}
+            for count in (1, 2, 3):
+                restores[count] = {"peers": bench.restore("peers", count, 1),
+                                   "memd": bench.restore("memd", count, 0)}
+            bare = [fleet.measure(bench.holders[0], bench.newcomers[0], nbytes) for _ in range(3)]
+            bench.stop()
+            cost = training_cost(bench, steps, interval, rounds)
+        finally:
+            bench.stop()
+            bench.memd.stop()
+    return {"checkpoint_bytes": nbytes, "model": described, "memd_rate": rate,
+            "memd_rate_bytes_s": fleet_rate(rate), "bare_peer_bytes_s": max(bare), "restores": restores,
+            "training": cost}
+
+
+def fleet_rate(rate: str) -> float:
+    """tc's ``16mbit`` as bytes a second (tc's mbit are 10^6 bits)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale / 8
+    raise ValueError(f"rate {rate!r}: give kbit, mbit or gbit")
+
+
+def report(r: dict, machine: dict) -> None:
+    nbytes, bare = r["checkpoint_bytes"], r["bare_peer_bytes_s"]
+    print(f"\nmachine: {benchlib.describe_machine(machine)}")
+    print(f"state {nbytes / MiB:.1f} MiB; dash-memd's link {r['memd_rate']} each way "
+          f"({nbytes / r['memd_rate_bytes_s']:.2f} s for the state); the peer link's limit (bare TCP pair, same "
+          f"veth) {bare / MiB:.0f} MiB/s ({nbytes / bare:.3f} s)")
+    print(f"  {'nodes':>5} {'from':6} {'per node, median s':>19} {'agent fetch s':>14} {'wall s':>8} "
+          f"{'memd / peers (wall)':>20} {'x peer limit':>13} {'fetch x limit':>14}")
+    for count, ways in r["restores"].items():
+        for way in ("peers", "memd"):
+            w = ways[way]
+            ratio = ways["memd"]["wall_s"] / ways["peers"]["wall_s"] if way == "peers" else None
+            limit = w["median_s"] / (nbytes / bare) if way == "peers" else None
+            fetch = w.get("agent_fetch_s")
+            fetch_limit = fetch / (nbytes / bare) if way == "peers" and fetch else None
+            print(f"  {count:>5} {way:6} {w['median_s']:19.3f} {'-' if fetch is None else f'{fetch:.3f}':>14} "
+                  f"{w['wall_s']:8.3f} {'' if ratio is None else f'{ratio:.1f}x':>20} "
+                  f"{'' if limit is None else f'{limit:.2f}':>13} "
+                  f"{'' if fetch_limit is None else f'{fetch_limit:.2f}':>14}")
+    t = r["training"]
+    print(f"training, two nodes, a checkpoint every {t['interval']} of {t['steps']} steps, dash-memd unshaped:")
+    base = statistics.median(t["times_s"]["no checkpoints"])
+    print(f"  no checkpoints: {base:.3f} s")
+    for label, added in t["added_per_checkpoint_s"].items():
+        print(f"  {label}: {statistics.median(t['times_s'][label]):.3f} s, {t['checkpoints'][label]} checkpoints "
+              f"taken, {added * 1e3:.1f} ms added per checkpoint; a dash-agent's RSS "
+              f"{t['agent_rss_bytes'][label] / MiB:.0f} MiB")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench_restore.py --peers", description=__doc__.split("\n")[0])
+    parser.add_argument("--peers", action="store_true", help="this mode (as bench_restore.py's option)")
+    parser.add_argument("--size-mib", type=int, default=64)
+    parser.add_argument("--memd-rate", default="200mbit", help="dash-memd's link, each way (tc's units)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--interval", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    reason = netns.unavailable()
+    if reason:
+        raise SystemExit(f"bench_restore.py --peers: {reason}")
+    machine = benchlib.machine()
+    result = run(args.size_mib * MiB, args.memd_rate, args.steps, args.interval, args.rounds)
+    report(result, machine)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "result": result}, indent=1))

@@ -37,7 +37,7 @@ from dashrun.agent.peers.store import Store
 from dashrun.errors import ChecksumError, DashError, NotFoundError, UnavailableError
 from dashrun.util.files import unmap
 from dashrun.wire import layout
-from dashrun.wire.holdings import Located
+from dashrun.wire.holdings import ANNOUNCE_PERIOD, Located
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.planner import (
@@ -213,7 +213,15 @@ class RestoreCache:
                 try:
                     return self._get(info, ranks, ranges, direct)
                 except (ChecksumError, NotFoundError) as e:  # corrupt, or dropped since LATEST answered
-                    if step is not None or attempt == CORRUPT_FALLBACKS:
+                    if attempt == CORRUPT_FALLBACKS:
+                        raise
+                    if self._on_fleet_only(info):
+                        # Its holders announce every few seconds (after dash-memd restarted, say): ask again then.
+                        log.warning("%s step %d is held by the fleet, and no holder of it answered yet (%s); asking "
+                                    "dash-memd again in %.0f s", job, info.step, e, ANNOUNCE_PERIOD)
+                        time.sleep(ANNOUNCE_PERIOD)
+                        continue
+                    if step is not None:
                         raise
                     log.error("%s step %d cannot be restored (%s); trying the newest checkpoint before it", job,
                               info.step, e)
@@ -239,6 +247,12 @@ class RestoreCache:
             while len(self._located) > KEEP_LOCATED:
                 del self._located[next(iter(self._located))]
         return located.info
+
+    def _on_fleet_only(self, info: CheckpointInfo) -> bool:
+        """Whether dash-memd answered ``info`` as committed on the fleet, not held whole by itself."""
+        with self._lock:
+            located = self._located.get((info.job, info.step, info.committed_at))
+        return located is not None and not located.in_memd
 
     def _holders_of(self, info: CheckpointInfo) -> dict[int, list[Peer]]:
         """The other nodes holding each saved rank's shard of ``info``: as dash-memd named them when it answered

@@ -268,20 +268,8 @@ def test_a_rank_killed_alone_is_restored_from_its_own_nodes_ram(in_namespaces, f
     assert_redone_at_most(out, steps, 4, killed_after)
 
 
-#: Why the elastic scenario fails behind the thin link until issue 36's commit rule lands (the main session
-#: changes agent/ranks.py so and removes this mark).
-AWAITS_THE_COMMIT_RULE = (
-    "agent/ranks.py keeps the node's own copy, and submits its replicas, only after dash-memd stored the shard "
-    "(own_kept after _put_with_retry): behind a 16mbit link dash-memd lags many steps, no newer step is held by R+1 "
-    "nodes when a node dies, and the survivor resumes from the newest step dash-memd stored whole (step 0, or none: "
-    "'no step committed yet'), far more than one interval back; needs the commit rule that releases a rank's "
-    "buffer once its own copy and R peers hold it")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("in_namespaces", [
-    False, pytest.param(True, marks=pytest.mark.xfail(reason=AWAITS_THE_COMMIT_RULE, strict=True))],
-    ids=["loopback", "namespaces"])
+@pytest.mark.parametrize("in_namespaces", [False, True], ids=["loopback", "namespaces"])
 def test_an_elastic_job_behind_a_thin_link_loses_a_node_and_goes_on_from_the_fleets_copies(
         in_namespaces, fleet_factory, memd_factory, nodes, tmp_path):
     where = site(in_namespaces, 2, fleet_factory, memd_factory)

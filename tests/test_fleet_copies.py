@@ -167,3 +167,41 @@ def test_a_step_dash_memd_cannot_take_is_committed_on_the_fleet_and_a_rank_waiti
         assert (located.info.step, located.in_memd) == (3, False)
         assert client.latest(job) is None
     assert "shards are not reaching dash-memd (the fleet's copies hold them meanwhile)" in first.log()
+
+
+def test_a_restore_of_a_step_only_the_fleet_holds_waits_for_a_holder_to_announce_itself(
+        memd_factory, agent_factory, rank_env, tmp_path):
+    """dash-memd restarted empty, and the only node that announced itself since is the one that then dies: its
+    replacement finds no holder but itself, and asks dash-memd again until the holder, silent meanwhile, is back."""
+    memd = memd_factory("--memory-limit", "256MiB")
+    job = "waitforholder"
+    env = {**fleet_env("n1", "z1/p1"), "DASH_JOB_ID": job}
+    first = agent_factory(memd, env=env)
+    holder = agent_factory(memd, env={**env, "DASH_NODE": "n2", "DASH_FAILURE_DOMAIN": "z2/p2"})
+    wait_for(lambda: "this node's replicas go to n2" in first.log(), what="n1 to place its replicas on n2")
+    model, opt, sched = trained_objects()
+    save_world(rank_env, first, job, 2, 6, model, opt, sched, [3, 4])
+    with memd.client() as client:
+        wait_for(lambda: (found := client.fleet_view(job)[2]) and any(n.node == "n2" and 6 in n.steps for n in found),
+                 what="n2 to hold n1's step 6")
+        nbytes = client.latest(job).nbytes
+    silent = psutil.Process(holder.proc.pid)
+    port = memd.port
+    memd.stop()
+    silent.suspend()  # n2 says nothing to the new dash-memd for now
+    try:
+        empty = memd_factory("--memory-limit", "256MiB", data_dir=tmp_path / "empty")
+        empty.stop()
+        empty.start(port=port)
+        with empty.client() as client:
+            wait_for(lambda: (found := client.locate(job)) is not None and found.info.step == 6,
+                     what="n1's announcement to commit step 6 on the fleet")
+        first.kill()
+        replacement = agent_factory(empty, env=env)
+        wait_for(lambda: "is held by the fleet, and no holder of it answered yet" in replacement.log(),
+                 what="the replacement to find no holder but itself")
+    finally:
+        silent.resume()
+    fetched = wait_for(lambda: re.search(rf"fetched {job} step 6 \((.*)\)", replacement.log()),
+                       what="the replacement's fetch from n2, once n2 is back")
+    assert fetched.group(1) == f"{nbytes} bytes from peers", replacement.log()[-3000:]

@@ -27,14 +27,22 @@ from dashrun.wire.protocol import Kind, crc32c
 JOB = "fleetcopies"
 
 
-def fleet_env(node: str, domain: str) -> dict:
-    return {"DASH_JOB_ID": JOB, "DASH_REPLICAS": "1", "DASH_PEER_PORT": "0", "DASH_PEER_MEMORY_LIMIT": "64MiB",
+def fleet_env(node: str, domain: str, job: str = JOB) -> dict:
+    """A dash-agent's environment as node ``node`` of ``job`` in failure domain ``domain``, with one replica."""
+    return {"DASH_JOB_ID": job, "DASH_REPLICAS": "1", "DASH_PEER_PORT": "0", "DASH_PEER_MEMORY_LIMIT": "64MiB",
             "DASH_NODE": node, "DASH_FAILURE_DOMAIN": domain}
 
 
-def holdings(memd) -> dict[str, dict[int, list[str]]]:
+def holdings(memd, job: str = JOB) -> dict[str, dict[int, list[str]]]:
+    """node -> step -> whose shards of it the node holds, from its newest announcement."""
     with memd.client() as client:
-        return {node.node: node.steps for node in client.fleet_view(JOB)[2]}
+        return {node.node: node.steps for node in client.fleet_view(job)[2]}
+
+
+def placed(agent, holder: str) -> None:
+    """Wait until ``agent`` places its replicas on ``holder``: it learns the others from dash-memd's answers to
+    its announcements, every 2 s, and a shard saved before sends no copy to a holder it does not know yet."""
+    wait_for(lambda: f"this node's replicas go to {holder}" in agent.log(), 30, f"replicas to go to {holder}")
 
 
 def test_replicas_are_placed_from_the_registry_and_restored_from_after_dash_memd_restarts_empty(
@@ -44,7 +52,7 @@ def test_replicas_are_placed_from_the_registry_and_restored_from_after_dash_memd
     agent_factory(memd, env=fleet_env("n2", "z1/p1"))
     agent_factory(memd, env=fleet_env("n3", "z2/p2"))
     wait_for(lambda: set(holdings(memd)) == {"n1", "n2", "n3"}, what="the three nodes to announce themselves")
-    wait_for(lambda: "this node's replicas go to n3" in same_zone.log(), what="n1 to place its replicas")
+    placed(same_zone, "n3")
 
     model, opt, sched = trained_objects()
     save_world(rank_env, same_zone, JOB, 2, 6, model, opt, sched, [3, 4])
@@ -102,7 +110,7 @@ def test_a_shard_is_safe_once_a_peer_holds_it_while_dash_memd_hangs_and_dash_mem
     env = {**fleet_env("n1", "z1/p1"), "DASH_JOB_ID": job}
     first = agent_factory(memd, env=env)
     second = agent_factory(memd, env={**env, "DASH_NODE": "n2", "DASH_FAILURE_DOMAIN": "z2/p2"})
-    wait_for(lambda: "this node's replicas go to n2" in first.log(), what="n1 to place its replicas on n2")
+    placed(first, "n2")
     link = AgentLink(str(first.socket_path))
     hung = psutil.Process(memd.proc.pid)
     try:
@@ -152,7 +160,7 @@ def test_a_step_dash_memd_cannot_take_is_committed_on_the_fleet_and_a_rank_waiti
     env = {**fleet_env("n1", "z1/p1"), "DASH_JOB_ID": job}
     first = agent_factory(memd, env=env)
     agent_factory(memd, env={**env, "DASH_NODE": "n2", "DASH_FAILURE_DOMAIN": "z2/p2"})
-    wait_for(lambda: "this node's replicas go to n2" in first.log(), what="n1 to place its replicas on n2")
+    placed(first, "n2")
     link = AgentLink(str(first.socket_path))
     try:
         payload = os.urandom(2 << 20)  # more than dash-memd may hold
@@ -178,7 +186,7 @@ def test_a_restore_of_a_step_only_the_fleet_holds_waits_for_a_holder_to_announce
     env = {**fleet_env("n1", "z1/p1"), "DASH_JOB_ID": job}
     first = agent_factory(memd, env=env)
     holder = agent_factory(memd, env={**env, "DASH_NODE": "n2", "DASH_FAILURE_DOMAIN": "z2/p2"})
-    wait_for(lambda: "this node's replicas go to n2" in first.log(), what="n1 to place its replicas on n2")
+    placed(first, "n2")
     model, opt, sched = trained_objects()
     save_world(rank_env, first, job, 2, 6, model, opt, sched, [3, 4])
     with memd.client() as client:

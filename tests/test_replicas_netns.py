@@ -24,6 +24,9 @@ import torch
 from conftest import wait_for
 from runs import Cursor
 from test_checkpointer import same_state, trained_objects
+from test_fleet_copies import fleet_env as fleet_env_of
+from test_fleet_copies import holdings as holdings_of
+from test_fleet_copies import placed
 from test_elastic import Node, assert_each_sample_once, assert_redone_at_most, newest_step, runs_of_steps, worlds
 
 JOB = "copies"
@@ -54,24 +57,15 @@ def site(in_namespaces: bool, nodes: int, fleet_factory, memd_factory) -> Site:
 
 
 def fleet_env(node: str, domain: str) -> dict:
-    return {"DASH_JOB_ID": JOB, "DASH_REPLICAS": "1", "DASH_PEER_PORT": "0", "DASH_PEER_MEMORY_LIMIT": "64MiB",
-            "DASH_NODE": node, "DASH_FAILURE_DOMAIN": domain}
+    return fleet_env_of(node, domain, JOB)
 
 
 def holdings(memd) -> dict[str, dict[int, list[str]]]:
-    """node -> step -> whose shards of it the node holds, from its newest announcement."""
-    with memd.client() as client:
-        return {node.node: node.steps for node in client.fleet_view(JOB)[2]}
+    return holdings_of(memd, JOB)
 
 
 def holds(memd, node: str, owner: str, step: int) -> bool:
     return owner in holdings(memd).get(node, {}).get(step, [])
-
-
-def placed(agent, holder: str) -> None:
-    """Wait until ``agent`` places its replicas on ``holder``: it learns the others from dash-memd's answers to
-    its announcements, every 2 s, and a shard saved before sends no copy to a holder it does not know yet."""
-    wait_for(lambda: f"this node's replicas go to {holder}" in agent.log(), 30, f"replicas to go to {holder}")
 
 
 def fetches(log: str, job: str = JOB) -> list[tuple[int, str, float]]:

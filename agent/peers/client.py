@@ -16,82 +16,34 @@ byte changed in transit or in the holder's memory raises ChecksumError here.
 
 from __future__ import annotations
 
-import select
-import threading
 from typing import Sequence
 
-from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
-from dashrun.wire.auth import client_handshake
+from dashrun.errors import ChecksumError, ProtocolError
 from dashrun.wire.channel import Channel
 from dashrun.wire.credentials import Credential
+from dashrun.wire.link import Link
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import MAX_BYTES, Kind
-from dashrun.wire.tls import TlsSettings, connect
+from dashrun.wire.tls import TlsSettings
 
 __all__ = ["PeerClient"]
 
 
-class PeerClient:
+class PeerClient(Link):
     """A client of the agent at ``host:port``, logged in with ``credential`` (a job's)."""
+
+    what = "the peer dash-agent"
+    #: a checksum failure mid-frame leaves the link out of step too: a fresh one next time
+    drop_on = (*Link.drop_on, ChecksumError)
 
     def __init__(self, host: str, port: int, credential: Credential, *, tls: TlsSettings = TlsSettings(),
                  timeout: float = 60.0, connect_timeout: float = 5.0):
         if credential.job is None:
             raise ValueError("the peer link needs a job's credential")
-        self.host, self.port = host, port
+        # never plaintext: see the module's text
+        super().__init__(host, port, credential.file_bytes().strip(), timeout=timeout,
+                         connect_timeout=connect_timeout, tls=TlsSettings() if tls.plaintext else tls)
         self.credential = credential
-        self.tls = TlsSettings() if tls.plaintext else tls  # never plaintext: see the module's text
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self._ch: Channel | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def __enter__(self) -> PeerClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._ch is not None:
-            self._ch.close()
-            self._ch = None
-
-    def _idle_and_open(self) -> bool:
-        """Whether the connection is up with nothing to read: one the peer closed (idle, restarted) reads ready."""
-        try:
-            readable, _, _ = select.select([self._ch.sock], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
-
-    def _channel(self) -> Channel:
-        if self._ch is not None and not self._idle_and_open():  # kept between replicas: the peer may have closed it
-            self.close()
-        if self._ch is None:
-            sock = connect(self.host, self.port, self.tls, timeout=self.timeout,
-                           connect_timeout=self.connect_timeout, what="the peer dash-agent")
-            ch = Channel(sock)
-            try:
-                ch.settimeout(self.timeout)
-                client_handshake(ch, self.credential.file_bytes().strip(), self.address)
-            except BaseException:
-                ch.close()
-                raise
-            self._ch = ch
-        return self._ch
-
-    def _request(self, fn):
-        with self._lock:
-            ch = self._channel()
-            try:
-                return fn(ch)
-            except (UnavailableError, ProtocolError, ChecksumError):
-                self.close()  # a checksum failure mid-frame leaves the link out of step: a fresh one next time
-                raise
 
     def ping(self) -> None:
         self._request(lambda ch: ch.call(Kind.PING))

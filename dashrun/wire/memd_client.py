@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import base64
 import logging
-import select
-import threading
 import time
 from typing import Any, Callable, Sequence
 
 from dashrun import env
-from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, UnavailableError
+from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
-from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.holdings import MAX_MEMBERS, Announced, Holdings, Located, Member, NodeView, holders_from_body
+from dashrun.wire.link import Link
 from dashrun.wire.messages import (
     MAX_RDZV_STATE,
     MAX_RDZV_WAIT,
@@ -36,7 +34,7 @@ from dashrun.wire.messages import (
     ShardHeader,
 )
 from dashrun.wire.protocol import MAX_BYTES, MAX_STEP, Kind, field_bool, field_step, valid_job_id
-from dashrun.wire.tls import TlsSettings, connect
+from dashrun.wire.tls import TlsSettings
 
 __all__ = ["LIST_MOST", "MemdClient", "StoreTimeoutError", "memd_from_env"]
 
@@ -55,73 +53,14 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-class MemdClient:
-    def __init__(self, host: str, port: int, token: bytes, *, timeout: float = 60.0, connect_timeout: float = 5.0,
-                 tls: TlsSettings = TlsSettings()):
-        self.host, self.port = host, port
-        self._token = token
-        self.tls = tls
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self._ch: Channel | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def __enter__(self) -> MemdClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+class MemdClient(Link):
+    """dash-memd's client (see the module's text and :class:`dashrun.wire.link.Link`)."""
 
     def another(self) -> MemdClient:
         """A client of the same dash-memd, logged in as this one and with its settings, on a connection of its
         own (made on its first request): to read over several at once."""
         return MemdClient(self.host, self.port, self._token, timeout=self.timeout,
                           connect_timeout=self.connect_timeout, tls=self.tls)
-
-    def close(self) -> None:
-        if self._ch is not None:
-            self._ch.close()
-            self._ch = None
-
-    def idle_and_open(self) -> bool:
-        """Whether the connection is up with nothing to read: an idle connection that dash-memd closed (it
-        restarted, or timed the connection out) reads as ready, with its end of stream."""
-        if self._ch is None:
-            return False
-        try:
-            readable, _, _ = select.select([self._ch.sock], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
-
-    def _channel(self) -> Channel:
-        if self._ch is not None and not self.idle_and_open():  # dash-memd closed it while it idled
-            self.close()
-        if self._ch is None:
-            sock = connect(self.host, self.port, self.tls, timeout=self.timeout, connect_timeout=self.connect_timeout)
-            ch = Channel(sock)
-            try:
-                ch.settimeout(self.timeout)
-                client_handshake(ch, self._token, self.address)
-            except BaseException:
-                ch.close()
-                raise
-            self._ch = ch
-        return self._ch
-
-    def _request(self, fn):
-        """Run ``fn(channel)`` holding the connection; drop the connection if it breaks mid-request."""
-        with self._lock:
-            ch = self._channel()
-            try:
-                return fn(ch)
-            except (UnavailableError, ProtocolError):
-                self.close()
-                raise
 
     # --- requests -------------------------------------------------------------------
 

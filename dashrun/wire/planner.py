@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -277,15 +278,8 @@ class PeerSource:
                 except BaseException as e:  # the first failure stops every stream, and is raised
                     failures.append(e)
 
-        threads = [threading.Thread(target=stream, args=(holder, pieces), name=f"peer-restore-{holder[0]}",
-                                    daemon=True)
-                   for holder, pieces in by_holder.items() for _ in range(self.streams)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
+        _run_streams([(f"peer-restore-{holder[0]}", functools.partial(stream, holder, pieces))
+                      for holder, pieces in by_holder.items() for _ in range(self.streams)], failures)
 
     def _read_piece(self, info: CheckpointInfo, piece: Extent, image: memoryview | Scatter, holder: Peer,
                     client: PeerReader | None, dead: set[Peer]) -> None:
@@ -378,14 +372,19 @@ class MemdSource:
             except BaseException as e:  # the first failure stops every stream, and is raised
                 failures.append(e)
 
-        threads = [threading.Thread(target=stream, name=f"restore-stream-{i}", daemon=True)
-                   for i in range(min(self.streams, count))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
+        _run_streams([(f"restore-stream-{i}", stream) for i in range(min(self.streams, count))], failures)
+
+
+def _run_streams(streams: Sequence[tuple[str, Callable[[], None]]], failures: list[BaseException]) -> None:
+    """Run each stream (name, function) on a thread of its own until all are done; then raise the first of
+    ``failures``, where each stream puts what stopped it (and which tells the others to stop)."""
+    threads = [threading.Thread(target=run, name=name, daemon=True) for name, run in streams]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
 
 
 def every_cpu() -> bool:

@@ -180,6 +180,7 @@ def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {"no checkpoints": [], "--replicas 0": [], "--replicas 1": []}
     rss: dict[str, float] = {}
     agent_cpu: dict[str, list[float]] = {}  # per node, per checkpoint
+    memd_cpu: dict[str, list[float]] = {}  # per checkpoint of the job
     taken: dict[str, list[int]] = {}  # checkpoints a rank took (a due one is skipped while two are in flight)
     for round_ in range(rounds):
         for replicas in (0, 1):
@@ -190,6 +191,10 @@ def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
                     wait_for(lambda: "this node's replicas go to" in agent.log() and "no other" not in
                              agent.log().rsplit("replicas go to", 1)[-1], 60, "replicas placed")
             ranks = bench.checkpointers(agents, job, model, optimizer, interval)
+            procs = [psutil.Process(a.pid) for a in agents]
+            memd = psutil.Process(bench.memd.pid)
+            started_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in procs)  # after the agents started
+            memd_started = memd.cpu_times().user + memd.cpu_times().system
             for label, saving in (("no checkpoints", False), (f"--replicas {replicas}", True)):
                 if label == "no checkpoints" and replicas:
                     continue
@@ -206,10 +211,11 @@ def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
                 ckpt.wait(timeout=600)
                 ckpt.close()
             label = f"--replicas {replicas}"
-            procs = [psutil.Process(a.pid) for a in agents]
             rss[label] = max(p.memory_info().rss for p in procs)
-            spent = sum(p.cpu_times().user + p.cpu_times().system for p in procs) / len(procs)
+            spent = (sum(p.cpu_times().user + p.cpu_times().system for p in procs) - started_cpu) / len(procs)
             agent_cpu.setdefault(label, []).append(spent / max(1, taken[label][-1]))
+            memd_spent = memd.cpu_times().user + memd.cpu_times().system - memd_started
+            memd_cpu.setdefault(label, []).append(memd_spent / max(1, taken[label][-1]))
             bench.stop()
     base = statistics.median(times["no checkpoints"])
     return {"steps": steps, "interval": interval, "times_s": times, "checkpoints": taken,
@@ -217,7 +223,8 @@ def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
                                                                 for t, n in zip(times[label], taken[label]))
                                        for label in taken},
             "agent_rss_bytes": rss,
-            "agent_cpu_per_checkpoint_s": {label: statistics.median(v) for label, v in agent_cpu.items()}}
+            "agent_cpu_per_checkpoint_s": {label: statistics.median(v) for label, v in agent_cpu.items()},
+            "memd_cpu_per_checkpoint_s": {label: statistics.median(v) for label, v in memd_cpu.items()}}
 
 
 def run(size: int, rate: str, steps: int, interval: int, rounds: int, counts: list[int], training: bool) -> dict:
@@ -285,7 +292,9 @@ def report(r: dict, machine: dict) -> None:
     for label, added in t["added_per_checkpoint_s"].items():
         print(f"  {label}: {statistics.median(t['times_s'][label]):.3f} s, {t['checkpoints'][label]} checkpoints "
               f"taken, {added * 1e3:.1f} ms added per checkpoint; a dash-agent's CPU per checkpoint "
-              f"{t['agent_cpu_per_checkpoint_s'][label] * 1e3:.0f} ms, its RSS {t['agent_rss_bytes'][label] / MiB:.0f} MiB")
+              f"{t['agent_cpu_per_checkpoint_s'][label] * 1e3:.0f} ms, dash-memd's "
+              f"{t['memd_cpu_per_checkpoint_s'][label] * 1e3:.0f} ms; a dash-agent's RSS "
+              f"{t['agent_rss_bytes'][label] / MiB:.0f} MiB")
 
 
 def main(argv: list[str] | None = None) -> None:

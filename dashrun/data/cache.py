@@ -111,6 +111,11 @@ class Cache:
         self._limit = limit
 
     @property
+    def limit_given(self) -> int | None:
+        """The limit as given (None: the default, which follows the file system's free space)."""
+        return self._limit
+
+    @property
     def limit(self) -> int:
         if self._limit is not None:
             return self._limit

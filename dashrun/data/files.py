@@ -68,7 +68,8 @@ class CachedFiles:
         self.workers = workers
         self._source: Source | None = None
         self._source_lock = threading.Lock()
-        if remote is None and providers is None:
+        self._owns_remote = remote is None and providers is None
+        if self._owns_remote:
             from dashrun.data import peers
 
             remote, providers = peers.from_env(self.cache)
@@ -180,6 +181,8 @@ class CachedFiles:
         if self._source is not None:
             self._source.close()
             self._source = None
+        if self._owns_remote and self._remote is not None and hasattr(self._remote, "close"):
+            self._remote.close()
 
     def __enter__(self) -> CachedFiles:
         return self
@@ -196,7 +199,7 @@ class CachedFiles:
     # --- pickling, for a DataLoader's workers -----------------------------------------------
 
     def __getstate__(self) -> dict:
-        return {"url": self.url, "root": str(self.cache.root), "limit": self.cache._limit,
+        return {"url": self.url, "root": str(self.cache.root), "limit": self.cache.limit_given,
                 "workers": self.workers, "listing": self.listing.to_text()}
 
     def __setstate__(self, state: dict) -> None:  # noqa: D105

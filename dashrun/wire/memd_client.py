@@ -206,6 +206,22 @@ class MemdClient(Link):
             raise ProtocolError("malformed GET_SPEC reply")
         return JobSpec.from_body(raw) if raw is not None else None
 
+    def data_listing(self, url: str, max_bytes: int) -> bytes | None:
+        """The listing of the data source ``url`` dash-memd keeps (dashrun.data.listings), or None."""
+        def run(ch: Channel) -> bytes | None:
+            reply = ch.call(Kind.DATA_LISTING_GET, {"url": url}, max_data=max_bytes)
+            if not field_bool(reply.body, "found"):
+                return None
+            return ch.recv_data(reply)
+        return self._request(run)
+
+    def put_data_listing(self, url: str, text: bytes) -> None:
+        def run(ch: Channel) -> None:
+            ch.call(Kind.DATA_LISTING_PUT, {"url": url, "nbytes": len(text)})
+            ch.send(Kind.DATA_LISTING_BYTES, data=[text])
+            ch.expect_reply()
+        self._request(run)
+
     def delete(self, job: str, keep: int = 0, *, force_live: bool = False) -> list[int]:
         """Delete a job's checkpoints but the newest ``keep`` (0: everything, launch spec included). The whole job
         is refused (ConflictError) while nodes of it are alive, unless ``force_live``."""

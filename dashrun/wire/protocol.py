@@ -118,6 +118,10 @@ class Kind(enum.IntEnum):
     REPLICA_PUT = 64    # a copy of a shard of the sender's node (bytes as data), answered OK once its CRC-32C matches
     REPLICA_GET = 65    # a byte range of a shard the peer holds
     HOLDINGS = 66       # agent -> dash-memd: where this node's agent listens, its failure domain, what it holds
+    # a data set's listing, kept by dash-memd for the whole cluster (dashrun.data)
+    DATA_LISTING_GET = 80   # the stored listing of a source's URL, as the reply's data (found: false if none)
+    DATA_LISTING_PUT = 81   # store one: answered OK, then the listing follows as DATA_LISTING_BYTES' data
+    DATA_LISTING_BYTES = 82
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,15 +3,17 @@ a real moto server (stopped mid-test), the real command line."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 
 import pytest
 
+from dashrun.data.cache import Cache
 from dashrun.data.files import CachedFiles
 from dashrun.data.peers import MemdListings
-from dashrun.errors import ProtocolError, UnavailableError
+from dashrun.errors import ChecksumError, ProtocolError, UnavailableError
 from dashrun.testing.s3 import S3Server, make_bucket, use_endpoint
 from dashrun.wire.credentials import Credential
 from dashrun.wire.memd_client import MemdClient
@@ -88,3 +90,45 @@ def test_dashrun_data_stage_status_clear(memd, tmp_path):
     limit = dashrun_data("stage", str(src), "--data-cache", cache, "--data-cache-limit", "1KiB")
     assert limit.returncode == 2 and "larger than the data cache's limit" in limit.stderr
     assert "Traceback" not in limit.stderr
+
+
+def test_a_fresh_node_refills_from_memds_data_cache_with_the_bucket_down(memd_factory, tmp_path, monkeypatch):
+    memd = memd_factory("--memory-limit", "256MiB", "--data-cache", str(tmp_path / "memd-cache"))
+    server = S3Server(tmp_path / "moto.log").start()
+    objects = {f"{i:02d}.bin": bytes([i]) * (1000 + i) for i in range(6)}
+    try:
+        use_endpoint(monkeypatch, server.endpoint, tmp_path)
+        bucket = make_bucket(server)
+        for key, body in objects.items():
+            bucket.client.put_object(Bucket=bucket.name, Key=f"ds/{key}", Body=body)
+        url = bucket.url("ds/")
+
+        def node(name: str) -> CachedFiles:
+            remote = MemdListings(memd.client)
+            return CachedFiles(url, cache_dir=tmp_path / name, remote=remote, providers=[("dash-memd", remote)])
+
+        staged = subprocess.run([sys.executable, "-m", "dashrun", "data", "stage", url, "--data-cache",
+                                 str(tmp_path / "node-a"), "--memd", memd.address, "--token-file",
+                                 str(memd.token_file), *memd.tls_args], capture_output=True, text=True, timeout=120)
+        assert staged.returncode == 0, staged.stderr
+        with node("node-a") as a:  # staged: every object read from the node's own cache
+            assert {k: open(a.local_path(k), "rb").read() for k in a.keys()} == objects and a.fetched == {}
+        Cache(tmp_path / "memd-cache").clear()  # as if it had been too small: node b reads the bucket again
+        with node("node-b") as b:  # the second node: from the source, each handed on to dash-memd
+            assert {k: open(b.local_path(k), "rb").read() for k in b.keys()} == objects
+            assert b.fetched == {"source": len(objects)}
+    finally:
+        server.stop()  # the bucket unreachable from now on
+    with node("node-c") as c:  # a replacement node with an empty cache: everything from the stable VM
+        assert c.keys() == sorted(objects)
+        assert {k: open(c.local_path(k), "rb").read() for k in c.keys()} == objects
+        assert c.fetched == {"dash-memd": len(objects)}
+    # a planted copy (bytes that are not the listed object's, whatever SHA-256 it claims) is refused
+    with memd.client() as client, node("node-d") as d:
+        info = d.info("03.bin")
+        forged = b"x" * info.size
+        assert client.data_object(url, info.to_json(), info.size)[1] == objects["03.bin"]
+        Cache(tmp_path / "memd-cache").clear()  # what it holds, gone: an offer is taken again, if it checks out
+        with pytest.raises(ChecksumError, match="MD5"):  # the listed ETag fixes the bytes
+            client.put_data_object(url, info.to_json(), hashlib.sha256(forged).hexdigest(), forged)
+        assert client.data_object(url, info.to_json(), info.size) is None

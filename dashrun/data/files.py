@@ -40,8 +40,9 @@ __all__ = ["CachedFiles", "Provider", "cache_from_env"]
 
 log = logging.getLogger(__name__)
 
-#: ``provider(ident, info) -> (Expected, pieces) | None``: another place than the source an object may come from.
-Provider = Callable[[str, ObjectInfo], "tuple[Expected, Iterator[bytes]] | None"]
+#: ``provider(ident, info, url) -> (Expected, pieces) | None``: another place than the source an object may come
+#: from; one with an ``offer(url, info, path, sha256)`` is handed a copy of each object fetched from the source.
+Provider = Callable[[str, ObjectInfo, str], "tuple[Expected, Iterator[bytes]] | None"]
 
 
 def cache_from_env(cache_dir=None, limit=None) -> Cache:
@@ -126,12 +127,12 @@ class CachedFiles:
     def _fill(self, ident: str, info: ObjectInfo) -> Pinned:
         """Cache ``info`` from the first place that has it; an offer of the copy to a peer if it came from the
         source (so the fleet holds two)."""
-        candidates = [*self._providers, ("source", lambda _ident, i: self.source().read(i))]
+        candidates = [*self._providers, ("source", lambda _ident, i, _url: self.source().read(i))]
         for n, (name, provider) in enumerate(candidates):
             used = []
 
             def produce(provider=provider, name=name):
-                produced = provider(ident, info)
+                produced = provider(ident, info, self.url)
                 if produced is None:
                     raise _NotThere(name)
                 used.append(name)
@@ -153,7 +154,7 @@ class CachedFiles:
                     for _name, provider in self._providers:
                         offer = getattr(provider, "offer", None)
                         if offer is not None:
-                            offer(pinned.entry)
+                            offer(self.url, info, pinned.path, pinned.entry.sha256)
             return pinned
         raise AssertionError("unreachable: the source is the last candidate")
 
@@ -178,6 +179,9 @@ class CachedFiles:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self.release()
+        for _name, provider in self._providers:
+            if hasattr(provider, "flush"):
+                provider.flush()
         if self._source is not None:
             self._source.close()
             self._source = None

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from dashrun.errors import NotFoundError, ProtocolError, SourceChangedError, UnavailableError, UsageError
+from dashrun.errors import (ChecksumError, NotFoundError, ProtocolError, SourceChangedError, UnavailableError,
+                            UsageError)
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.wire.protocol import crc32c
 
-__all__ = ["CHUNK", "MAX_KEY", "MAX_MANIFEST", "Expected", "Hasher", "ObjectInfo", "Source", "open_source",
-           "valid_key"]
+__all__ = ["CHUNK", "MAX_KEY", "MAX_MANIFEST", "Expected", "Hasher", "ObjectInfo", "Source", "expected_of",
+           "normal_url", "open_source", "valid_key"]
 
 #: Bytes read from a source at a time.
 CHUNK = 4 << 20
@@ -150,6 +151,15 @@ class Expected:
             if getattr(self, name) not in ("", None):
                 return name
         return "size"
+
+
+def expected_of(info: ObjectInfo, sha256: str) -> Expected:
+    """What a copy of ``info`` from another cache (a peer's, dash-memd's) must be: the SHA-256 that cache gives,
+    and whatever the listing itself fixes (the manifest's SHA-256, a single-part ETag's MD5), which no other
+    cache can forge."""
+    if info.sha256 and sha256 != info.sha256:
+        raise ChecksumError(f"{info.key}: the copy offered is not the listed object")
+    return Expected(info.size, sha256=sha256, md5=info.etag if _plain_md5(info.etag) else "")
 
 
 class Source:

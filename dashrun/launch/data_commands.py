@@ -67,7 +67,7 @@ def stage(url, data_cache, data_cache_limit, memd, token_file, refresh, verify, 
     """Cache every object of URL (s3://bucket/prefix/, a directory, https://host/manifest.json) on this node."""
     with _listings(memd, token_file) as remote:
         with CachedFiles(url, cache_dir=data_cache, limit=data_cache_limit, refresh=refresh, workers=workers,
-                         remote=remote, providers=[]) as files:
+                         remote=remote, providers=[("dash-memd", remote)] if remote else []) as files:
             if verify:
                 bad = files.cache.verify(files.url)
                 if bad:

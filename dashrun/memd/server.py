@@ -103,7 +103,7 @@ class MemdServer:
             Kind.DELETE: self._delete,
             Kind.NOTICE: self._notice,
             **self.fleet.handlers(),
-            **DataListings(config.data_dir).handlers(),
+            **DataListings(config.data_dir, config.data_cache, config.data_cache_limit).handlers(),
         }
         self.address: tuple[str, int] | None = None
         self.id = ""

@@ -122,6 +122,9 @@ class Kind(enum.IntEnum):
     DATA_LISTING_GET = 80   # the stored listing of a source's URL, as the reply's data (found: false if none)
     DATA_LISTING_PUT = 81   # store one: answered OK, then the listing follows as DATA_LISTING_BYTES' data
     DATA_LISTING_BYTES = 82
+    DATA_OBJECT_GET = 83    # an object from dash-memd's data cache: OK {found, sha256} with its bytes as data
+    DATA_OBJECT_PUT = 84    # offer one to it: OK {accept}; then DATA_OBJECT_BYTES with the bytes, OK once checked
+    DATA_OBJECT_BYTES = 85
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,21 +28,25 @@ log = logging.getLogger(__name__)
 
 
 class MemdListings(StoredListings):
-    """The listings dash-memd keeps for the cluster, through one client made on first use by ``connect``."""
+    """The listings (and objects) dash-memd keeps for the cluster, through clients made by ``connect``: one per
+    thread that asks, so that a DataLoader's or prefetch's readers do not wait on each other's requests."""
 
     def __init__(self, connect: Callable[[], object]):
         self._connect = connect
-        self._client = None
+        self._local = threading.local()
+        self._clients: list = []
         self._lock = threading.Lock()
         self._offers: cf.ThreadPoolExecutor | None = None
         #: Objects offered to dash-memd that it took.
         self.offered = 0
 
     def _memd(self):
-        with self._lock:
-            if self._client is None:
-                self._client = self._connect()
-            return self._client
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._connect()
+            with self._lock:
+                self._clients.append(client)
+        return client
 
     def get(self, url: str) -> str | None:
         raw = self._memd().data_listing(url, MAX_LISTING)
@@ -84,9 +88,10 @@ class MemdListings(StoredListings):
     def close(self) -> None:
         self.flush()  # the offers under way are finished first
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            clients, self._clients = self._clients, []
+            self._local = threading.local()
+        for client in clients:
+            client.close()
 
 
 def from_env(cache) -> tuple[StoredListings | None, list]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def main() -> int:
             bucket_node.shape(None)
             memd.stop()
             kill_tree(moto)
+            shutil.rmtree(work, ignore_errors=True)
     print(f"machine: {describe_machine(machine())}")
     print(f"data set: {args.objects} objects x {args.size} = {total / (1 << 20):.0f} MiB; bucket link {args.rate} "
           f"(measured {fmt_bw(link)}); {args.workers} readers; page cache dropped before epoch 2: {dropped}")

@@ -19,7 +19,7 @@ import threading
 from typing import Callable, Iterator
 
 from dashrun.data.listings import MAX_LISTING, StoredListings
-from dashrun.data.sources import Expected, ObjectInfo, expected_of
+from dashrun.data.sources import MAX_SHARED_OBJECT, Expected, ObjectInfo, expected_of
 from dashrun.errors import DashError
 
 __all__ = ["MemdListings", "from_env"]
@@ -64,6 +64,8 @@ class MemdListings(StoredListings):
 
     def offer(self, url: str, info: ObjectInfo, path, sha256: str) -> None:
         """Hand dash-memd a copy of ``path`` (the cached ``info``), in the background; a failure is logged."""
+        if info.size > MAX_SHARED_OBJECT:
+            return
         with self._lock:
             if self._offers is None:
                 self._offers = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dash-data-offer")

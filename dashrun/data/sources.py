@@ -39,7 +39,7 @@ from dashrun.errors import (ChecksumError, NotFoundError, ProtocolError, SourceC
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.wire.protocol import crc32c
 
-__all__ = ["CHUNK", "MAX_KEY", "MAX_MANIFEST", "Expected", "Hasher", "ObjectInfo", "Source", "expected_of",
+__all__ = ["CHUNK", "MAX_KEY", "MAX_MANIFEST", "MAX_SHARED_OBJECT", "Expected", "Hasher", "ObjectInfo", "Source", "expected_of",
            "normal_url", "open_source", "valid_key"]
 
 #: Bytes read from a source at a time.
@@ -48,6 +48,8 @@ CHUNK = 4 << 20
 MAX_KEY = 1024
 #: The largest HTTP(S) manifest read.
 MAX_MANIFEST = 64 << 20
+#: The largest object that crosses the link to dash-memd's data cache (it travels as one frame held in memory).
+MAX_SHARED_OBJECT = 1 << 30
 
 
 def valid_key(key: object) -> bool:

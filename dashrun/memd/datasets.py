@@ -31,6 +31,7 @@ from typing import Callable
 
 from dashrun.data.cache import Cache
 from dashrun.data.listings import MAX_LISTING, Listing
+from dashrun.data.sources import MAX_SHARED_OBJECT as MAX_OBJECT
 from dashrun.data.sources import ObjectInfo, expected_of
 from dashrun.errors import ProtocolError
 from dashrun.util.files import write_atomic
@@ -41,8 +42,6 @@ __all__ = ["MAX_OBJECT", "MAX_URL", "DataListings", "object_request"]
 
 #: The longest source URL accepted.
 MAX_URL = 2048
-#: The largest object that crosses the link to dash-memd's cache (it travels as one frame held in memory).
-MAX_OBJECT = 1 << 30
 
 
 def object_request(body: dict) -> tuple[str, ObjectInfo]:
@@ -62,8 +61,9 @@ class DataListings:
 
     def _object_get(self, ch: Channel, frame: Frame) -> None:
         url, info = object_request(frame.body)
-        pinned = self.cache.pin(info.identity(url)) if self.cache is not None else None
-        if pinned is None or info.size > MAX_OBJECT:
+        held = self.cache is not None and info.size <= MAX_OBJECT
+        pinned = self.cache.pin(info.identity(url)) if held else None
+        if pinned is None:
             ch.send(Kind.OK, {"found": False})
             return
         try:

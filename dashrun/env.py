@@ -126,6 +126,16 @@ NODE = Var("DASH_NODE", "this node's name among the job's nodes (default: its ho
            "user, tests", "dash-agent")
 PEERS = Var("DASH_PEERS", "HOST:PORT of the agents this node's replicas go to, given by hand (tests)", "tests",
             "dash-agent")
+DATA_CACHE = Var("DASH_DATA_CACHE", "the node's data set cache directory (default ~/.cache/dashrun/data), shared by "
+                 "every job and rank of the node", "user, dashrun", "ranks, dash-agent, dashrun data")
+DATA_CACHE_LIMIT = Var("DASH_DATA_CACHE_LIMIT", "bytes the data cache may hold (default: what it holds plus the file "
+                       "system's free space, less a tenth of it); least recently used objects are evicted",
+                       "user, dashrun", "ranks, dash-agent, dashrun data")
+MEMD_DATA_CACHE = Var("DASH_MEMD_DATA_CACHE", "dash-memd's own data set cache directory, which fills from what the "
+                      "nodes cache and serves nodes whose cache is empty (dash-memd start --data-cache)", "user",
+                      "dash-memd")
+MEMD_DATA_CACHE_LIMIT = Var("DASH_MEMD_DATA_CACHE_LIMIT", "bytes dash-memd's data cache may hold", "user",
+                            "dash-memd")
 CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (see dashrun.util.faults)", "tests",
                "all")
 
@@ -136,7 +146,7 @@ ALL: tuple[Var, ...] = (
     AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY,
     TLS_CA, AGENT_CPUS, TLS_FINGERPRINT, INSECURE_PLAINTEXT, ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB,
     KEYS_OUT, WEAK_TOKEN_OK, OPERATOR_KEY, OPERATOR_PUBKEY, PEER_PORT, PEER_MEMORY_LIMIT, REPLICAS, NODE, PEERS,
-    CRASH_AT,
+    DATA_CACHE, DATA_CACHE_LIMIT, MEMD_DATA_CACHE, MEMD_DATA_CACHE_LIMIT, CRASH_AT,
 )
 
 

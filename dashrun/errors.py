@@ -12,7 +12,8 @@ import enum
 
 __all__ = ["AuthError", "BusyError", "ChecksumError", "ConflictError", "DashError", "ErrorCode", "ExitCode",
            "ForbiddenError", "from_code", "NoSpaceError", "NotFoundError", "ProtocolError", "RecordTagError",
-           "RemoteError", "RestoreMismatchError", "SignatureError", "UnavailableError", "UsageError"]
+           "RemoteError", "RestoreMismatchError", "SignatureError", "SourceChangedError", "UnavailableError",
+           "UsageError"]
 
 
 class ExitCode(enum.IntEnum):
@@ -130,6 +131,10 @@ class NoSpaceError(DashError):
 
 class ConflictError(DashError):
     code = ErrorCode.CONFLICT
+
+
+class SourceChangedError(ConflictError):
+    """A data set's object is no longer the version its stored listing names: the listing wants a refresh."""
 
 
 class ForbiddenError(DashError):

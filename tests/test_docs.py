@@ -43,11 +43,13 @@ def _click_options(command: click.Command) -> set[str]:
 def known_options() -> set[str]:
     from dashrun.agent.cli import cli as agent_cli
     from dashrun.launch.commands import cli as commands_cli
+    from dashrun.launch.data_commands import data as data_cli
     from dashrun.launch.options import build_parser
     from dashrun.memd.cli import cli as memd_cli
 
     launcher = {o for action in build_parser()._actions for o in action.option_strings if o.startswith("--")}
-    return launcher | _click_options(commands_cli) | _click_options(memd_cli) | _click_options(agent_cli)
+    clis = (commands_cli, memd_cli, agent_cli, data_cli)
+    return launcher.union(*(_click_options(c) for c in clis))
 
 
 def test_every_option_docs_usage_names_exists():

@@ -302,6 +302,7 @@ def run(config: NodeConfig) -> int:
             newest = prepare_job(options, list(config.argv), launch_config.run_id if config.elastic else None)
             _say_where_it_starts(options.job_id, newest)
             options = stack.enter_context(job_scoped(options))
+            os.environ.update(options.data_cache_env())  # before dash-agent starts: it serves that cache too
             agent = stack.enter_context(AgentProcess(options, placement.agent,
                                                      prefetch=fetch_ahead(launch_config.nproc_per_node)))
             os.environ[env.AGENT_SOCKET.name] = str(agent.socket_path)

@@ -29,6 +29,7 @@ from dashrun.errors import UsageError
 from dashrun.launch.checks import check_values, max_nodes, memd_address, nnodes_range, replicas_of
 from dashrun.launch.placement import AUTO, AgentCpus, parse_agent_cpus
 from dashrun.util.tokens import read_token
+from dashrun.util.units import parse_size
 from dashrun.version import __version__
 from dashrun.wire.credentials import Credential
 from dashrun.wire.messages import FailureDomain
@@ -77,6 +78,8 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("replicas", ("--replicas",)),
     OptionName("peer_port", ("--peer-port", "--peer_port")),
     OptionName("peer_memory_limit", ("--peer-memory-limit", "--peer_memory_limit")),
+    OptionName("data_cache", ("--data-cache", "--data_cache")),
+    OptionName("data_cache_limit", ("--data-cache-limit", "--data_cache_limit")),
     OptionName("hostfile", ("--hostfile",)),
     OptionName("ssh_config", ("--ssh-config", "--ssh_config")),
     OptionName("remote_python", ("--remote-python", "--remote_python")),
@@ -115,6 +118,13 @@ class LaunchOptions:
     replicas: int = 0  # other nodes that keep a copy of this node's snapshot in their agent's memory
     peer_port: int | None = None  # None: dash-agent's default
     peer_memory_limit: str | None = None  # as given (checked): None, dash-agent's default
+    data_cache: Path | None = None  # the node's data set cache (dashrun.data); None: DASH_DATA_CACHE or the default
+    data_cache_limit: int | None = None  # bytes it may hold; None: DASH_DATA_CACHE_LIMIT or the default
+
+    def data_cache_env(self) -> dict[str, str]:
+        """The node's data set cache as dash-agent and the ranks read it (dashrun.data), where given."""
+        given = ((env.DATA_CACHE, self.data_cache), (env.DATA_CACHE_LIMIT, self.data_cache_limit))
+        return {var.name: str(value) for var, value in given if value is not None}
 
     def agent_args(self) -> list[str]:
         """The options of dash-agent that come from these, besides those every agent gets."""
@@ -179,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     NAMES["peer_memory_limit"].add_to(group, default=env.get(env.PEER_MEMORY_LIMIT), metavar="SIZE",
                                       help=f"memory dash-agent may give the copies it keeps, like 8GiB (env "
                                            f"{env.PEER_MEMORY_LIMIT.name}; default 8GiB with replicas).")
+    NAMES["data_cache"].add_to(group, default=env.get(env.DATA_CACHE), metavar="DIR",
+                               help=f"the node's data set cache, shared by every job and rank of the node, which "
+                                    f"dashrun.data.CachedFiles reads through (env {env.DATA_CACHE.name}; default "
+                                    "~/.cache/dashrun/data; docs/data.md).")
+    NAMES["data_cache_limit"].add_to(group, default=env.get(env.DATA_CACHE_LIMIT), metavar="SIZE",
+                                     help=f"bytes the data cache may hold, like 500GiB; least recently used objects "
+                                          f"are evicted (env {env.DATA_CACHE_LIMIT.name}; default: what it holds "
+                                          "plus the free space, less a tenth of the file system).")
     NAMES["hostfile"].add_to(group, default=env.get(env.HOSTFILE), metavar="FILE",
                              help=f"start dashrun on every host of FILE ('HOST slots=N' per line) over SSH, with "
                                   f"--nnodes, --nproc-per-node and a c10d rendezvous on the first host decided for "
@@ -315,6 +333,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
                   poll_interval=args.poll_interval, tls=tls, agent_cpus=agent_cpus, operator_key=operator_key,
                   memd_wait=args.memd_wait, replicas=replicas_of(args), peer_port=args.peer_port,
                   peer_memory_limit=args.peer_memory_limit,
+                  data_cache=Path(args.data_cache).expanduser().absolute() if args.data_cache else None,
+                  data_cache_limit=_data_cache_limit(args.data_cache_limit),
                   failure_domain=FailureDomain.parse(args.failure_domain) if args.failure_domain else None)
     if args.memd is None:
         require_shared_memd(args, max_nodes(args), "nodes")
@@ -323,6 +343,18 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     token_file = Path(args.token_file)
     Credential.parse(read_token(token_file)).for_job(job_id)  # fail now, in one line, not later in the agent
     return LaunchOptions(memd=memd_address(args.memd), token_file=token_file, **common)
+
+
+def _data_cache_limit(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        limit = parse_size(text)
+    except UsageError as e:
+        raise UsageError(f"--data-cache-limit: {e.message}", hint=e.hint) from None
+    if limit <= 0:
+        raise UsageError(f"--data-cache-limit {text} must be more than nothing", hint="give it like 500GiB")
+    return limit
 
 
 def apply_torchrun_defaults(args: argparse.Namespace) -> None:

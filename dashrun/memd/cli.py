@@ -58,6 +58,13 @@ def cli() -> None:
 @click.option("--s3", envvar=env.S3.name, show_envvar=True, default=None, metavar="s3://BUCKET/PREFIX",
               help="Also persist every committed checkpoint to this bucket (credentials and endpoint: the standard "
                    "AWS chain, AWS_ENDPOINT_URL included).")
+@click.option("--data-cache", envvar=env.MEMD_DATA_CACHE.name, show_envvar=True, default=None,
+              type=click.Path(file_okay=False),
+              help="Keep a data set cache here too, filled from the objects the nodes cache, which a node with an "
+                   "empty cache reads before the source (docs/data.md).")
+@click.option("--data-cache-limit", envvar=env.MEMD_DATA_CACHE_LIMIT.name, show_envvar=True, default=None,
+              metavar="SIZE", help="Bytes --data-cache may hold (default: its file system's free space, less a "
+                                   "tenth).")
 @click.option("--keep-object", envvar=env.KEEP_OBJECT.name, show_envvar=True, default=20, show_default=True,
               type=int, help="Committed checkpoints per job kept in the object store.")
 @click.option("--upload-queue", envvar=env.UPLOAD_QUEUE.name, show_envvar=True, default=8, show_default=True,
@@ -166,7 +173,8 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
                         auth_timeout: float, idle_timeout: float, shutdown_timeout: float,
                         ready_file: str | None, no_tls: bool = False, tls_cert: str | None = None,
                         tls_key: str | None = None, max_unauthenticated: int = 32,
-                        parent_pid: int | None = None, insecure_plaintext: bool = False) -> MemdConfig:
+                        parent_pid: int | None = None, insecure_plaintext: bool = False,
+                        data_cache: str | None = None, data_cache_limit: str | None = None) -> MemdConfig:
     """The options of ``dash-memd start`` as a config; raises UsageError."""
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
     return MemdConfig(
@@ -178,7 +186,8 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
         idle_timeout=idle_timeout,
         shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
         no_tls=no_tls, insecure_plaintext=insecure_plaintext, tls_cert=Path(tls_cert) if tls_cert else None, tls_key=Path(tls_key) if tls_key else None,
-        parent_pid=parent_pid,
+        parent_pid=parent_pid, data_cache=Path(data_cache) if data_cache else None,
+        data_cache_limit=parse_size(data_cache_limit) if data_cache_limit else None,
     )
 
 

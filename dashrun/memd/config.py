@@ -40,6 +40,10 @@ class MemdConfig:
     s3: str | None = None
     #: committed checkpoints per job kept in the object store
     keep_object: int = 20
+    #: dash-memd's own data set cache (dashrun.memd.datasets), behind the nodes'; None: none
+    data_cache: Path | None = None
+    #: bytes it may hold; None: the default of dashrun.data.cache.Cache
+    data_cache_limit: int | None = None
     #: uploads waiting at most; a full queue drops its oldest
     upload_queue: int = 8
     #: clients served at once; more are refused with BUSY

@@ -21,8 +21,9 @@ __all__ = ["OPERATOR_ONLY", "authorize"]
 
 #: Requests only the cluster's token may make.
 OPERATOR_ONLY = frozenset({Kind.PUT_SPEC, Kind.DELETE})
-#: Requests about no job.
-_UNSCOPED = frozenset({Kind.PING})
+#: Requests about no job: a data set's listing is the cluster's, shared by every job (dashrun.memd.datasets).
+_UNSCOPED = frozenset({Kind.PING, Kind.DATA_LISTING_GET, Kind.DATA_LISTING_PUT, Kind.DATA_OBJECT_GET,
+                       Kind.DATA_OBJECT_PUT})
 
 
 def authorize(job: str | None, frame: Frame) -> None:

@@ -25,6 +25,7 @@ from dashrun.errors import ChecksumError, DashError, ProtocolError, RecordTagErr
 from dashrun.memd.admission import Admission, Slot
 from dashrun.memd.config import MemdConfig
 from dashrun.memd.fleet.requests import FleetRequests
+from dashrun.memd.datasets import DataListings
 from dashrun.memd.scope import authorize
 from dashrun.memd.store.catalogue import Catalogue
 from dashrun.memd.store.tiers import DiskTier, RamTier
@@ -102,6 +103,7 @@ class MemdServer:
             Kind.DELETE: self._delete,
             Kind.NOTICE: self._notice,
             **self.fleet.handlers(),
+            **DataListings(config.data_dir, config.data_cache, config.data_cache_limit).handlers(),
         }
         self.address: tuple[str, int] | None = None
         self.id = ""

@@ -118,6 +118,13 @@ class Kind(enum.IntEnum):
     REPLICA_PUT = 64    # a copy of a shard of the sender's node (bytes as data), answered OK once its CRC-32C matches
     REPLICA_GET = 65    # a byte range of a shard the peer holds
     HOLDINGS = 66       # agent -> dash-memd: where this node's agent listens, its failure domain, what it holds
+    # a data set's listing, kept by dash-memd for the whole cluster (dashrun.data)
+    DATA_LISTING_GET = 80   # the stored listing of a source's URL, as the reply's data (found: false if none)
+    DATA_LISTING_PUT = 81   # store one: answered OK, then the listing follows as DATA_LISTING_BYTES' data
+    DATA_LISTING_BYTES = 82
+    DATA_OBJECT_GET = 83    # an object from dash-memd's data cache: OK {found, sha256} with its bytes as data
+    DATA_OBJECT_PUT = 84    # offer one to it: OK {accept}; then DATA_OBJECT_BYTES with the bytes, OK once checked
+    DATA_OBJECT_BYTES = 85
 
 
 @dataclasses.dataclass(frozen=True)

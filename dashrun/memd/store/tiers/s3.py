@@ -11,12 +11,11 @@ import concurrent.futures as cf
 import io
 from typing import Callable, TypeVar
 
-import boto3
-from botocore.config import Config
 from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from dashrun.errors import ChecksumError
+from dashrun.util.s3client import error_code, make_client  # one client set-up, shared with the data cache
 
 __all__ = ["MAX_PARTS", "MIN_PART", "NOT_FOUND_CODES", "READ_CHUNK", "TRANSIENT_CODES", "StoredMismatch",
            "ViewReader", "b64", "error_code", "make_client", "run_all", "transient"]
@@ -34,22 +33,6 @@ NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
 
 class StoredMismatch(ChecksumError):
     """The store holds other bytes than were sent: worth uploading again."""
-
-
-def make_client(*, connect_timeout: float, read_timeout: float, request_attempts: int, connections: int):
-    """A boto3 S3 client (thread-safe) from the standard AWS chain, with bounded requests.
-
-    botocore retries every request (standard mode: connection errors, 5xx,
-    throttling, with backoff) up to ``request_attempts`` calls in all; the
-    timeouts make a dead store fail a call instead of hanging it.
-    """
-    return boto3.session.Session().client("s3", config=Config(
-        connect_timeout=connect_timeout, read_timeout=read_timeout, tcp_keepalive=True,
-        retries={"mode": "standard", "total_max_attempts": request_attempts}, max_pool_connections=connections))
-
-
-def error_code(error: ClientError) -> str:
-    return str(error.response.get("Error", {}).get("Code", ""))
 
 
 def transient(e: BaseException) -> bool:

@@ -311,3 +311,19 @@ def test_the_dashboard_and_alert_rules_use_only_metrics_that_are_served(memd_fac
     used = set(re.findall(r"\bdash_(?:memd|agent)_[a-z_]+", " ".join([*alerts.values(), *queries])))
     assert len(used) >= 15
     assert used <= served, f"named but not served: {sorted(used - served)}"
+
+
+@pytest.mark.slow
+def test_a_launch_with_log_format_json_logs_one_object_a_line_from_each_of_its_processes(tmp_path):
+    from conftest import TRAIN
+
+    run = subprocess.run([sys.executable, "-m", "dashrun", "--log-format", "json", "--agent-cpus", "none",
+                          "--nproc-per-node", "1", str(TRAIN), "--steps", "6", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})  # a private dash-memd
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stderr.splitlines() if line.strip()]  # each line one object
+    assert {"dashrun", "dash-agent"} <= {line["program"] for line in lines}
+    assert any(line["message"].startswith("starting ") and line["program"] == "dashrun" for line in lines)
+    ranks = [line for line in lines if line["logger"].startswith("dashrun.rank")]
+    assert ranks and all(line.get("rank") == 0 and line.get("job", "").startswith("train-") for line in ranks)

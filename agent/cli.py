@@ -97,7 +97,7 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
         metadata_endpoint, poll_interval, failure_domain, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
         peer_port, peer_memory_limit, node, peers, metrics_listen, log_level, log_format) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
-    setup_logging(PROGRAM, log_level, log_format)
+    setup_logging(PROGRAM, log_level, log_format, job=job_id)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
     config = AgentConfig(memd_host=host, memd_port=port, token=read_token(token_file),
                          socket_path=Path(socket_path), listen_fd=listen_fd, memd_timeout=memd_timeout,

@@ -324,6 +324,7 @@ def test_a_launch_with_log_format_json_logs_one_object_a_line_from_each_of_its_p
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(line) for line in run.stderr.splitlines() if line.strip()]  # each line one object
     assert {"dashrun", "dash-agent"} <= {line["program"] for line in lines}
+    assert all(line.get("job", "").startswith("train-") for line in lines if line["program"] == "dash-agent")
     assert any(line["message"].startswith("starting ") and line["program"] == "dashrun" for line in lines)
     ranks = [line for line in lines if line["logger"].startswith("dashrun.rank")]
     assert ranks and all(line.get("rank") == 0 and line.get("job", "").startswith("train-") for line in ranks)

@@ -45,10 +45,10 @@ class JsonFormatter(logging.Formatter):
     ``job``/``rank`` where known (a record's own ``job``/``rank`` extras, else this process's DASH_JOB_ID and
     RANK); ``exception`` holds a traceback, when there is one, as one string."""
 
-    def __init__(self, program: str):
+    def __init__(self, program: str, job: str | None = None):
         super().__init__()
         self.program = program
-        self.job = os.environ.get("DASH_JOB_ID") or None
+        self.job = job or os.environ.get("DASH_JOB_ID") or None
         rank = os.environ.get("RANK")
         self.rank = int(rank) if rank and rank.isdigit() else None
 
@@ -71,13 +71,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup_logging(program: str, level: str = "INFO", fmt: str = "text") -> None:
+def setup_logging(program: str, level: str = "INFO", fmt: str = "text", job: str | None = None) -> None:
     """Configure the root logger once for an entry point (again, replacing the first set-up, where a launch
-    learns its options after it started); UsageError for a level or format that is not one of ours."""
+    learns its options after it started); ``job``: the one job this process serves, in every JSON line (else
+    DASH_JOB_ID's). UsageError for a level or format that is not one of ours."""
     level, fmt = check_log_level(level), check_log_format(fmt)
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter(program))
+        handler.setFormatter(JsonFormatter(program, job))
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {program} %(levelname)s %(name)s: %(message)s",
                                                datefmt="%H:%M:%S"))

@@ -145,7 +145,8 @@ COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("command", [pytest.param(name, marks=pytest.mark.slow) if "launch" in name else name
+                                     for name in sorted(COMMANDS)])  # a launch imports torch: seconds each
 def test_a_mistyped_log_level_or_format_is_a_usage_error_naming_the_valid_ones(command, tmp_path):
     (tmp_path / "train.py").write_text("")  # the launch's script exists: the log options are what is wrong
     for extra, twin, said in ((["--log-level", "DEBG"], {}, "--log-level 'DEBG' is not a log level"),

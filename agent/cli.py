@@ -18,7 +18,8 @@ from dashrun.agent.pollers import CHOICES
 from dashrun.agent.service import AgentServer
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode
-from dashrun.util.console import run_click, setup_logging
+from dashrun.util.console import log_options, run_click, setup_logging
+from dashrun.util.metrics import parse_metrics_listen
 from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address, parse_size
@@ -88,13 +89,15 @@ log = logging.getLogger(PROGRAM)
                    "node's must be its own).")
 @click.option("--peer", "peers", envvar=env.PEERS.name, show_envvar=True, multiple=True, metavar="HOST:PORT",
               help="For tests: an agent this node's replicas go to (repeat it), in place of dash-memd's registry.")
-@click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
-              help="DEBUG, INFO or WARNING.")
+@click.option("--metrics-listen", envvar=env.AGENT_METRICS_LISTEN.name, show_envvar=True, default=None,
+              metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST left out: "
+                                         "loopback; docs/metrics.md names them).")
+@log_options
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
         metadata_endpoint, poll_interval, failure_domain, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
-        peer_port, peer_memory_limit, node, peers, log_level) -> None:
+        peer_port, peer_memory_limit, node, peers, metrics_listen, log_level, log_format) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
-    setup_logging(PROGRAM, log_level)
+    setup_logging(PROGRAM, log_level, log_format, job=job_id)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
     config = AgentConfig(memd_host=host, memd_port=port, token=read_token(token_file),
                          socket_path=Path(socket_path), listen_fd=listen_fd, memd_timeout=memd_timeout,
@@ -104,7 +107,9 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          tls=TlsSettings.from_options(no_tls, tls_ca, tls_fingerprint), prefetch=not no_prefetch,
                          replicas=replicas, peer_port=peer_port,
                          peer_memory_limit=None if peer_memory_limit is None else parse_size(peer_memory_limit),
-                         peers=tuple(_peer(text) for text in peers), **({"node": node} if node else {}))
+                         peers=tuple(_peer(text) for text in peers),
+                         metrics=parse_metrics_listen(metrics_listen) if metrics_listen else None,
+                         **({"node": node} if node else {}))
     sys.exit(run(config))
 
 

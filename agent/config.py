@@ -64,6 +64,8 @@ class AgentConfig:
     peer_memory_limit: int | None = None
     #: (node, host, port) of the agents this node's replicas go to, given by hand (tests: --peer)
     peers: tuple[tuple[str, str, int], ...] = ()
+    #: (host, port) of the Prometheus /metrics endpoint (--metrics-listen); None: none served
+    metrics: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 0:

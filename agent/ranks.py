@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from dashrun.agent.config import AgentConfig
+from dashrun.agent.metrics import AgentMetrics
 from dashrun.agent.restores import RestoreCache
 from dashrun.agent.peers.delivery import wait_committed
 from dashrun.agent.segments import SegmentMaps
@@ -80,6 +81,8 @@ class Agent(Protocol):
     notice: Notice | None
     #: the helper threads (RESTORE, WAIT) every connection's count against: MAX_HELPERS in all
     helpers: threading.Semaphore
+    #: this node's saves, stall and stream, as counted for --metrics-listen
+    metrics: AgentMetrics
 
     def report_failure(self, job: str, err: DashError) -> None:
         """A shard of ``job`` could not be delivered."""
@@ -167,6 +170,7 @@ class RankConnection:
         self._helpers = threading.BoundedSemaphore(MAX_RANK_HELPERS)
         self._halves_left = 2  # the reader and the sender
         self._halves_lock = threading.Lock()
+        self._reported = (0, 0.0)  # the rank's skipped snapshots and stall at its last hand-over
 
     def reply(self, request_id: Any, body: dict[str, Any] | None = None, fds=()) -> None:
         with self._send_lock:
@@ -278,6 +282,9 @@ class RankConnection:
                 self.reply_error(request_id, e)
                 return
             self.who = f"{request.shard.job} rank {request.shard.rank}"
+            skipped, stall = self._reported
+            self.agent.metrics.rank_reported(request.skipped - skipped, request.stall_s - stall)
+            self._reported = (max(skipped, request.skipped), max(stall, request.stall_s))
             staged = Staged(request_id, request.shard, view, request.ready, emergency=request.emergency,
                             checksum=request.checksum)
             self._staging[request_id] = staged
@@ -342,11 +349,13 @@ class RankConnection:
                     self.agent.own_kept(own, reply.crc, reply.committed)
                     self._answer(client, staged, reply)
                 except DashError as e:
+                    self.agent.metrics.failed()
                     if not staged.failed:
                         self.agent.report_failure(staged.header.job, e)
                     self.agent.own_kept(own, staged.crc, False)  # kept by the rank's checksum (if it sent one)
                     self.reply_error(staged.request_id, e)
                 except Exception as e:  # a bug costs this shard, not the shards queued behind it
+                    self.agent.metrics.failed()
                     log.exception("%s: delivering step %d failed", self.who, staged.header.step)
                     self.agent.own_kept(own, staged.crc, False)  # (once: a second call does nothing)
                     self.reply_error(staged.request_id, e)
@@ -372,6 +381,7 @@ class RankConnection:
     def _answer(self, client: MemdClient, staged: Staged, reply: SnapshotReply) -> None:
         """The shard is safe: the rank may reuse its buffer."""
         self.reply(staged.request_id, reply.to_body())
+        self.agent.metrics.stored(time.monotonic() - staged.handed_at, staged.emergency)
         if staged.emergency:
             self.agent.emergency_stored(staged.header)
         if reply.committed:
@@ -393,8 +403,11 @@ class RankConnection:
 
     def _put_with_retry(self, client: MemdClient, staged: Staged) -> dict[str, Any]:
         def put() -> dict[str, Any]:
-            return client.put_shard(staged.header, [staged.view], gate=staged.wait_ready, node=self.agent.config.node,
-                                    crc=staged.rank_crc if staged.checksum else None)
+            began = time.monotonic()
+            answer = client.put_shard(staged.header, [staged.view], gate=staged.wait_ready,
+                                      node=self.agent.config.node, crc=staged.rank_crc if staged.checksum else None)
+            self.agent.metrics.streamed(staged.header.nbytes, time.monotonic() - began)
+            return answer
         try:
             try:
                 return put()

@@ -34,6 +34,7 @@ from typing import Callable
 from dashrun.agent.announcer import Announcer
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.identity import this_domain
+from dashrun.agent.metrics import AgentMetrics
 from dashrun.wire.peer_client import PeerClient
 from dashrun.agent.peers.delivery import MemdFeed, Outcome
 from dashrun.agent.peers.own import OwnCopy
@@ -96,6 +97,8 @@ class AgentServer:
         self._acknowledged = False  # the cloud was told the node's state is safe (guarded by _lock)
         #: the newest world generation whose ranks must end at their next checkpoint (a node joins the job)
         self.reshape_generation: int | None = None
+        #: this node's saves, stall, stream and notices, served with --metrics-listen (dashrun.agent.metrics)
+        self.metrics = AgentMetrics()
 
     def report_failure(self, job: str, err: DashError) -> None:
         """Log a delivery failure once per job and kind, not once per shard."""
@@ -248,6 +251,8 @@ class AgentServer:
     def start(self) -> None:
         if self.config.job is not None:
             self._start_peers()  # first: a port it cannot have is the agent's error at start
+        if self.config.metrics is not None:
+            self.metrics.serve(*self.config.metrics)
         path = self.config.socket_path
         if self.config.listen_fd is None:
             listener = private_listener(path)  # for this user's ranks only
@@ -290,6 +295,7 @@ class AgentServer:
             self.notice = info
             connections = list(self._connections)
         log.warning("%s", notice.describe())
+        self.metrics.notice(info)
         for conn in connections:
             conn.send_notice(info)
         if not info.early_warning:
@@ -349,6 +355,7 @@ class AgentServer:
         with self._lock:
             if conn in self._connections:
                 self._connections.remove(conn)
+                self.metrics.rank_connected(-1)
             feed = self._feeds.pop(conn, None)
         if feed is not None:
             feed.close(self.config.drain_timeout)
@@ -380,6 +387,7 @@ class AgentServer:
             raise
         with self._lock:
             self._connections.append(conn)
+            self.metrics.rank_connected(+1)
         conn.start()  # if a thread cannot start, the connection closes and forgets itself
 
     def stop(self) -> None:
@@ -408,6 +416,7 @@ class AgentServer:
             feeds, self._feeds = list(self._feeds.values()), {}
         for feed in feeds:  # dash-memd's copies of what the fleet holds, within the drain timeout
             feed.close(max(0.0, deadline - time.monotonic()))
+        self.metrics.close()
         if self.replicator is not None:
             self.replicator.wait_idle(max(0.0, deadline - time.monotonic()))
             self.replicator.stop()

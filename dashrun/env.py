@@ -58,8 +58,15 @@ HOSTFILE = Var("DASH_HOSTFILE", "hostfile ('HOST slots=N' per line): start dashr
                "dashrun")
 SSH_CONFIG = Var("DASH_SSH_CONFIG", "OpenSSH client config for --hostfile (default ~/.ssh/config)", "user", "dashrun")
 REMOTE_PYTHON = Var("DASH_REMOTE_PYTHON", "Python that runs dashrun on the hosts of --hostfile", "user", "dashrun")
-LOG_LEVEL = Var("DASH_LOG_LEVEL", "logging level of dash-memd and dash-agent (DEBUG, INFO, WARNING)", "user",
-                "dash-memd, dash-agent")
+LOG_LEVEL = Var("DASH_LOG_LEVEL", "logging level: DEBUG, INFO, WARNING or ERROR (dashrun passes its own on to "
+                "its dash-agent and private dash-memd)", "user, dashrun", "dashrun, dash-agent, dash-memd")
+LOG_FORMAT = Var("DASH_LOG_FORMAT", "text, or json: one JSON object a line for log shippers", "user, dashrun",
+                 "dashrun, dash-agent, dash-memd")
+METRICS_LISTEN = Var("DASH_METRICS_LISTEN", "HOST:PORT dash-memd serves Prometheus /metrics on (a HOST left out: "
+                     "loopback)", "user", "dash-memd")
+AGENT_METRICS_LISTEN = Var("DASH_AGENT_METRICS_LISTEN", "HOST:PORT dash-agent serves Prometheus /metrics on (a "
+                           "HOST left out: loopback); its own twin, so that a launcher's private dash-memd beside "
+                           "it does not take the same port", "user", "dash-agent")
 MEMD_WAIT = Var("DASH_MEMD_WAIT", "seconds a launch waits for an unreachable dash-memd (it may be restarting)", "user",
                 "dashrun")
 MEMD_TIMEOUT = Var("DASH_MEMD_TIMEOUT", "seconds a request to dash-memd may stay silent", "user", "dash-agent")
@@ -141,7 +148,8 @@ CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (s
 
 ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, FAILURE_DOMAIN, AGENT_SOCKET, LISTEN, DATA_DIR,
-    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, MEMD_WAIT,
+    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, LOG_FORMAT,
+    METRICS_LISTEN, AGENT_METRICS_LISTEN, MEMD_WAIT,
     MEMD_TIMEOUT, DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED,
     AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY,
     TLS_CA, AGENT_CPUS, TLS_FINGERPRINT, INSECURE_PLAINTEXT, ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB,

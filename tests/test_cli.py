@@ -51,7 +51,8 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert getattr(action.type, "__qualname__", action.type) == getattr(mine.type, "__qualname__", mine.type)
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
-    assert own == ["agent_cpus", "cloud", "data_cache", "data_cache_limit", "failure_domain", "fresh", "hostfile", "job_id", "memd", "memd_wait",
+    assert own == ["agent_cpus", "cloud", "data_cache", "data_cache_limit", "failure_domain", "fresh", "hostfile",
+                   "job_id", "log_format", "log_level", "memd", "memd_wait",
                    "metadata_endpoint", "no_tls", "operator_key", "peer_memory_limit", "peer_port", "poll_interval",
                    "remote_python", "replicas", "ssh_config", "tls_ca", "tls_fingerprint", "token_file", "version",
                    "weak_token_ok"]

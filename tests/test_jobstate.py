@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dashrun.launch.jobstate import JobState, job_state, restarts, steps_per_second
+from dashrun.launch.jobstate import JobState, job_state, node_states, restarts, steps_per_second
 from dashrun.wire.messages import MembershipEvent
 
 
@@ -46,3 +46,12 @@ def test_steps_per_second_between_the_oldest_and_newest_checkpoints():
     assert steps_per_second([{"step": 4, "committed_at": 10.0}, {"step": 9, "committed_at": 10.0}]) is None
     assert steps_per_second([{"step": 4, "committed_at": 10.0}, {"step": 6, "committed_at": 11.0},
                              {"step": 24, "committed_at": 14.0}]) == 5.0
+
+
+def test_each_node_has_the_state_of_its_last_membership_event():
+    history = [MembershipEvent(float(i), node, change, "", 1, 0) for i, (node, change) in enumerate(
+        [("a", "joined"), ("b", "joined"), ("c", "joined"), ("b", "left"), ("c", "died"), ("c", "joined")])]
+    assert node_states(history) == {"a": "up", "b": "left", "c": "up"}
+    ended = history + [MembershipEvent(9.0, "a", "finished", "", 2, 0)]
+    assert node_states(ended) == {"a": "finished", "b": "left", "c": "finished"}  # the launch's end: every node up
+    assert node_states([]) == {}

@@ -36,6 +36,7 @@ def info() -> CheckpointInfo:
 
 @pytest.mark.parametrize("message", [
     SnapshotRequest(shard(), ready=40, emergency=True, checksum=True),
+    SnapshotRequest(shard(), ready=40, skipped=3, stall_s=0.25),
     SnapshotReply(committed=True, crc=0xDEADBEEF), SnapshotReply(committed=False),
     Progress(3, ready=90), Progress(3, ready=90, crc=17), Progress(4, failed=True),
     RestoreRequest("job-1", None, 8), RestoreRequest("job-1", 7, 1), RestoreRequest("job-1", 7, 4, first_rank=8),
@@ -63,6 +64,8 @@ def test_the_bodies_keep_the_keys_the_wire_carried_before_they_were_typed():
     (SnapshotRequest, {"shard": shard().to_body(), "ready": shard().nbytes + 1}, None),  # more ready than the shard
     (SnapshotRequest, {"shard": "not an object"}, None),
     (SnapshotRequest, {"shard": shard().to_body(), "emergency": 1}, None),  # a number is not a bool
+    (SnapshotRequest, {"shard": shard().to_body(), "skipped": -1}, None),
+    (SnapshotRequest, {"shard": shard().to_body(), "stall_s": 1e300}, None),
     (Progress, {"id": 1, "ready": 91}, 90),
     (Progress, {"id": -1, "ready": 1}, 90),
     (Progress, {"id": 1, "crc": 1 << 32}, 90),

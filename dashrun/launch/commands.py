@@ -33,9 +33,11 @@ from dashrun import env
 from dashrun.errors import NotFoundError, UsageError
 from dashrun.launch import dispatch
 from dashrun.launch.holdings_view import holdings_lines
-from dashrun.launch.jobstate import JobState, job_state, restarts, steps_per_second
+from dashrun.launch.jobstate import job_state, node_states, restarts, steps_per_second
+from dashrun.launch.status_view import age, job_notes, jobs_table, print_jobs, server_lines
 from dashrun.launch.options import memd_address, require_token_file
 from dashrun.launch.private_memd import PrivateMemd, resumed_home
+from dashrun.util.console import LOG_FORMATS, LOG_LEVELS, setup_logging
 from dashrun.util.tokens import read_token
 from dashrun.util.units import format_size
 from dashrun.version import __version__
@@ -48,10 +50,6 @@ from dashrun.wire.tls import TlsSettings, format_fingerprint
 __all__ = ["cli", "connect", "memd_options", "tls_settings"]
 
 console = Console()
-#: The terminal width ``status --wide`` renders as: wider than any table it prints.
-WIDE = 4096
-#: The least width (with its padding and border) each other column of ``status`` gets beside the job ids.
-NARROWEST_COLUMN = 7
 _NO_TLS, _TLS_CA, _TLS_FINGERPRINT = "dashrun.no_tls", "dashrun.tls_ca", "dashrun.tls_fingerprint"
 
 
@@ -106,6 +104,27 @@ def _keep_aside(key: str):
     return keep
 
 
+_LOG_LEVEL, _LOG_FORMAT = "dashrun.log_level", "dashrun.log_format"
+
+
+def _set_up_logging(key: str):
+    def set_up(ctx: click.Context, _param, value):
+        ctx.meta[key] = value
+        setup_logging("dashrun", ctx.meta.get(_LOG_LEVEL, "INFO"), ctx.meta.get(_LOG_FORMAT, "text"))
+    return set_up
+
+
+def _log_options(command):
+    """``--log-level`` and ``--log-format`` (twins DASH_LOG_LEVEL, DASH_LOG_FORMAT), applied as they are parsed:
+    a typo is a usage error naming the valid values."""
+    command = click.option("--log-format", envvar=env.LOG_FORMAT.name, show_envvar=True, default="text",
+                           show_default=True, expose_value=False, callback=_set_up_logging(_LOG_FORMAT),
+                           help=f"{' or '.join(LOG_FORMATS)} (json: one object a line, for log shippers).")(command)
+    return click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO",
+                        show_default=True, expose_value=False, callback=_set_up_logging(_LOG_LEVEL),
+                        help=f"{', '.join(LOG_LEVELS)}.")(command)
+
+
 def memd_options(command):
     """``--memd``, ``--token-file``, ``--no-tls``, ``--tls-ca``, ``--tls-fingerprint`` (their twins are dashrun's
     own) and ``--version``.
@@ -113,6 +132,7 @@ def memd_options(command):
     The TLS options are kept aside in the context for :func:`connect`, rather than passed to every command.
     """
     command = _version_option(command)
+    command = _log_options(command)
     command = click.option("--tls-fingerprint", envvar=env.TLS_FINGERPRINT.name, show_envvar=True, default=None,
                            expose_value=False, callback=_keep_aside(_TLS_FINGERPRINT), metavar="SHA256:...",
                            help="Talk only to the dash-memd whose certificate has this SHA-256 ('dash-memd "
@@ -133,14 +153,6 @@ def memd_options(command):
 
 def _print_json(value) -> None:
     click.echo(json.dumps(value, indent=1, sort_keys=True))
-
-
-def _age(timestamp: float) -> str:
-    seconds = max(0.0, time.time() - timestamp)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
 
 
 # auto_envvar_prefix: an option without a twin of dashrun.env's gets DASH_<COMMAND>_<OPTION>
@@ -182,12 +194,12 @@ def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool, wide
     generation = client.generation(job)
     if entry is None and not events and not generation:
         raise NotFoundError(f"dash-memd knows no job {job!r}", hint="see the jobs with: dashrun status")
-    entry = _with_state(entry or {"job": job, "checkpoints": []}, events, live)
+    entry = {**_with_state(entry or {"job": job, "checkpoints": []}, events, live), "node_states": node_states(events)}
     if as_json:
         _print_json({**entry, "generation": generation, "membership": [event.to_body() for event in events],
                      "holdings": [dataclasses.asdict(node) for node in held]})
         return
-    _print_jobs([entry], wide)
+    print_jobs(console, [entry], wide)
     if not entry.get("newest"):
         click.echo(f"{job}: no checkpoints")
     for line in holdings_lines(job, entry, held):
@@ -207,99 +219,76 @@ def _job_status(client: MemdClient, listing: dict, job: str, as_json: bool, wide
 @memd_options
 @click.option("--json", is_flag=True, show_envvar=True, help="Print JSON.")
 @click.option("--wide", is_flag=True, show_envvar=True, help="Show every column in full, however wide the table.")
-def status(job, memd, token_file, json, wide) -> None:  # noqa: A002 (the name makes the twin DASH_<COMMAND>_JSON)
+@click.option("--watch", is_flag=True, show_envvar=True,
+              help="A live view of every job, asked for again every --interval seconds, until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, show_envvar=True,
+              help="Seconds between the refreshes of --watch.")
+@click.option("--count", type=click.IntRange(min=0), default=0, show_envvar=True,
+              help="With --watch: stop after this many refreshes (0, the default: until Ctrl-C).")
+def status(job, memd, token_file, json, wide, watch, interval, count) -> None:  # noqa: A002 (twin DASH_STATUS_JSON)
     """Jobs held by dash-memd: state, newest committed step, where it is, how big, how old, restarts, speed.
 
     A job's state is running, finished, failed, preempted or idle (see dashrun.launch.jobstate). With JOB: that
     job, and its membership history (nodes that joined, left or died, the world size, and how launches ended).
+    With --watch: the jobs' view, refreshed in place (pending writes, commit latency, nodes and their state).
     """
+    if watch:
+        if job is not None or json:
+            raise UsageError("--watch shows every job, as a table", hint="leave out JOB and --json")
+        _watch(memd, token_file, interval, count)
+        return
     with connect(memd, token_file) as client:
         listing = client.list(_job(job) if job is not None else None)
         if job is not None:
             _job_status(client, listing, job, json, wide)
             return
-        # one MEMBERSHIP request per job listed: the state is the client's reading of the facts dash-memd keeps
-        listing["jobs"] = [_with_state(entry, *client.membership_view(entry["job"]))
-                           for entry in listing.get("jobs", [])]
+        _add_states(client, listing)
     if json:
         _print_json(listing)
         return
-    memory = listing.get("memory", {})
-    console.print(f"dash-memd at {client.address}: {format_size(memory.get('used', 0))} of "
-                  f"{format_size(memory.get('limit', 0))} RAM in use, "
-                  f"{listing.get('pending_disk_writes', 0)} disk writes pending", highlight=False)
-    if listing.get("object_store"):
-        console.print(f"object store {listing['object_store']}: {listing.get('pending_uploads', 0)} uploads pending"
-                      + ("" if listing.get("object_listed") else ", not listed yet")
-                      + (f" ([red]{escape(listing['object_error'])}[/])" if listing.get("object_error") else ""),
-                      highlight=False)
-    if listing.get("tag_failures"):  # records altered on the path (or a bug): the operator should look
-        console.print(f"[red]{listing['tag_failures']} records failed authentication since dash-memd started[/] "
-                      "(altered on the way to it: see its log)", highlight=False)
-    _print_jobs(listing.get("jobs", []), wide)
+    for line in server_lines(client.address, listing):
+        console.print(line, highlight=False)
+    print_jobs(console, listing.get("jobs", []), wide)
     if listing.get("jobs_left"):
         console.print(f"... and {listing['jobs_left']} more jobs, not shown (dashrun status JOB shows one)",
                       highlight=False)
 
 
-def _nodes(job: dict) -> str:
-    """A job's nodes as its line in the table shows them: the most recent ones, and how many others."""
-    names = ", ".join(sorted(job.get("nodes", {}))) or "-"
-    return names + (f" (+{job['nodes_more']} more)" if job.get("nodes_more") else "")
+def _add_states(client: MemdClient, listing: dict) -> None:
+    """Each listed job with its state, restarts, speed and nodes' states, from its membership in dash-memd."""
+    # one MEMBERSHIP request per job listed: the state is the client's reading of the facts dash-memd keeps
+    jobs = []
+    for entry in listing.get("jobs", []):
+        events, live = client.membership_view(entry["job"])
+        jobs.append({**_with_state(entry, events, live), "node_states": node_states(events)})
+    listing["jobs"] = jobs
 
 
-def _speed(job: dict) -> str:
-    speed = job.get("steps_per_second")
-    return "-" if speed is None else f"{speed:.2f}" if speed < 10 else f"{speed:.0f}"
+def _watch(memd: str | None, token_file: str | None, interval: float, count: int) -> None:
+    """``status --watch``: the view of every job, asked for again every ``interval`` s, drawn in place (rich
+    Live) until Ctrl-C or ``count`` refreshes; the last one stays on the screen."""
+    from rich.console import Group
+    from rich.live import Live
 
-
-def _print_jobs(jobs: list[dict], wide: bool = False) -> None:
-    """The jobs' table. The job id is never shortened (its column neither wraps nor shrinks): the other columns
-    wrap where the terminal is narrow; ``wide`` shows every column unshortened, however wide the table gets."""
-    table = Table()
-    longest = max((len(job["job"]) for job in jobs), default=3)
-    table.add_column("job", no_wrap=True, min_width=longest, overflow="fold")
-    table.add_column("state", no_wrap=True, min_width=max(len(state.value) for state in JobState))
-    for name in ("step", "restarts", "steps/s", "in", "size", "saved", "ranks", "nodes", "last notice"):
-        table.add_column(name, no_wrap=wide, overflow="fold")
-    for job in jobs:
-        newest = job.get("newest")
-        notice = job.get("notice")
-        table.add_row(
-            job["job"],
-            job.get("state", "-"),
-            str(newest["step"]) if newest else "-",
-            str(job.get("restarts", "-")),
-            _speed(job),
-            ", ".join(newest["tiers"]) if newest else "-",
-            format_size(newest["nbytes"]) if newest else "-",
-            _age(newest["committed_at"]) if newest else "-",
-            str(newest["world"]) if newest else "-",
-            _nodes(job),
-            f"{notice['kind']} {_age(notice['at'])}" if notice else "-",
-        )
-    # Wide: as wide as the table needs (a table that does not expand takes only that), however narrow the
-    # terminal. Else the terminal's width, or more where the job ids and a few characters of each other column
-    # would not fit in it: a job id is never cut.
-    narrowest = longest + 4 + len("preempted") + 3 + (len(table.columns) - 2) * NARROWEST_COLUMN
-    width = WIDE if wide else max(console.width, narrowest)
-    (console if width == console.width else Console(width=width, highlight=False)).print(table)
-    for job in jobs:
-        for tier in ("disk", "object"):
-            if job.get(f"{tier}_error"):
-                failed = job.get(f"{tier}_failures")
-                console.print(f"[red]{escape(job['job'])}: {tier} tier failing: {escape(job[f'{tier}_error'])}"
-                              + (f" ({failed} failed since dash-memd started; tried again)" if failed else "")
-                              + "[/]", highlight=False)
-        if job.get("quarantined"):
-            copies = "1 disk copy" if job["quarantined"] == 1 else f"{job['quarantined']} disk copies"
-            console.print(f"[yellow]{escape(job['job'])}: {copies} failed their checksum, moved to quarantine/ in "
-                          "dash-memd's data dir[/]", highlight=False)
-        if job.get("bad_ram"):
-            copies = "1 RAM copy" if job["bad_ram"] == 1 else f"{job['bad_ram']} RAM copies"
-            console.print(f"[red]{escape(job['job'])}: {copies} changed in dash-memd's memory after arriving (dropped;"
-                          " read from disk or the checkpoint before): its machine's memory may be failing[/]",
-                          highlight=False)
+    shown = 0
+    with connect(memd, token_file) as client, Live(console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                listing = client.list()
+                _add_states(client, listing)
+                shown += 1
+                heading = (f"[bold]dashrun status --watch[/]: {time.strftime('%H:%M:%S')}, refresh {shown}"
+                           + (f" of {count}" if count else f", every {interval:g}s (Ctrl-C to stop)"))
+                parts = [heading, *server_lines(client.address, listing), jobs_table(listing.get("jobs", []))]
+                parts += job_notes(listing.get("jobs", []))
+                if listing.get("jobs_left"):
+                    parts.append(f"... and {listing['jobs_left']} more jobs, not shown")
+                live.update(Group(*parts), refresh=True)
+                if count and shown >= count:
+                    return
+                time.sleep(interval)  # the pace of the view, not a wait for anything
+        except KeyboardInterrupt:  # Ctrl-C ends the view, not with a traceback
+            return
 
 
 @cli.command(name="ls")
@@ -335,7 +324,7 @@ def ls(job, memd, token_file, json) -> None:  # noqa: A002
     table = Table("step", "state", "in", "ranks", "size", "committed")
     for checkpoint in entry["checkpoints"]:
         table.add_row(str(checkpoint["step"]), checkpoint["state"], ", ".join(checkpoint["tiers"]),
-                      str(checkpoint["world"]), format_size(checkpoint["nbytes"]), _age(checkpoint["committed_at"]))
+                      str(checkpoint["world"]), format_size(checkpoint["nbytes"]), age(checkpoint["committed_at"]))
     console.print(table)
 
 
@@ -413,7 +402,7 @@ def _command_line(argv) -> str:
 
 def _print_plan(job_id: str, spec, overrides: dict) -> None:
     """What ``resume`` would run: where, the stored command line, what replaces its options, the environment."""
-    click.echo(f"job {job_id}: launch spec stored from {_shell_word(spec.host)} {_age(spec.created)}, "
+    click.echo(f"job {job_id}: launch spec stored from {_shell_word(spec.host)} {age(spec.created)}, "
                "signed by the operator")
     click.echo(f"would run in {_shell_word(spec.cwd)}:")
     click.echo(f"  {_command_line(spec.argv)}")

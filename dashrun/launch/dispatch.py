@@ -9,10 +9,23 @@ torch's elastic launcher (:mod:`dashrun.launch.launcher`).
 
 from __future__ import annotations
 
+import os
+
+from dashrun import env
 from dashrun.launch import launcher
 from dashrun.launch.options import build_parser
+from dashrun.util.console import check_log_format, check_log_level, setup_logging
 
-__all__ = ["launch"]
+__all__ = ["configure_logging", "launch"]
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """The launch's ``--log-level``/``--log-format``, checked (UsageError naming the valid values), for this
+    process and, through their twins in the environment, for the dash-agent, private dash-memd and hosts it
+    starts."""
+    level, fmt = check_log_level(level), check_log_format(fmt)
+    setup_logging("dashrun", level, fmt)
+    os.environ[env.LOG_LEVEL.name], os.environ[env.LOG_FORMAT.name] = level, fmt
 
 
 def launch(argv: list[str], overrides: dict | None = None) -> int:
@@ -25,6 +38,7 @@ def launch(argv: list[str], overrides: dict | None = None) -> int:
     args = parser.parse_args(argv)
     for name, value in (overrides or {}).items():
         setattr(args, name, value)
+    configure_logging(args.log_level, args.log_format)
     if args.hostfile:
         from dashrun.launch import fanout  # SSH (paramiko): only for a hostfile
 

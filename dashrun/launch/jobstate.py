@@ -9,7 +9,10 @@ from typing import Sequence
 
 from dashrun.wire.messages import MembershipEvent
 
-__all__ = ["JobState", "job_state", "restarts", "steps_per_second"]
+__all__ = ["JobState", "job_state", "node_states", "restarts", "steps_per_second"]
+
+#: A node's state as its last membership event says it: up (joined), left (its notice), died (gone without one).
+NODE_STATES = {"joined": "up", "left": "left", "died": "died"}
 
 
 class JobState(str, enum.Enum):
@@ -67,3 +70,16 @@ def steps_per_second(checkpoints: Sequence[dict]) -> float | None:
     first, last = checkpoints[0], checkpoints[-1]
     seconds = last["committed_at"] - first["committed_at"]
     return (last["step"] - first["step"]) / seconds if seconds > 0 else None
+
+
+def node_states(events: Sequence[MembershipEvent]) -> dict[str, str]:
+    """Each node's state by its last ``joined``, ``left`` or ``died`` event (:data:`NODE_STATES`), in the order
+    the nodes first appear; a launch's end (``finished``, ``failed``) leaves every node that was up in that
+    state."""
+    states: dict[str, str] = {}
+    for event in events:
+        if event.change in NODE_STATES:
+            states[event.node] = NODE_STATES[event.change]
+        elif event.change in ("finished", "failed"):
+            states = {node: event.change if state == "up" else state for node, state in states.items()}
+    return states

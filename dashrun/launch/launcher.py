@@ -399,11 +399,12 @@ def _say_where_it_starts(job_id: str, newest: CheckpointInfo | None) -> None:
     A derived job id is the script's path and arguments, not its contents: an edited script relaunched the same
     way resumes the earlier run, and this line says so before the first line of any rank.
     """
-    if newest is None:
-        print(f"dashrun: starting {job_id} from step 0 (no checkpoint of it yet)", file=sys.stderr)
+    line = (f"starting {job_id} from step 0 (no checkpoint of it yet)" if newest is None
+            else f"resuming {job_id} from step {newest.step} (saved {_ago(newest.committed_at)})")
+    if env.get(env.LOG_FORMAT) == "json":  # a log shipper's stream: one object a line, this one too
+        log.info("%s", line)
     else:
-        print(f"dashrun: resuming {job_id} from step {newest.step} (saved {_ago(newest.committed_at)})",
-              file=sys.stderr)
+        print(f"dashrun: {line}", file=sys.stderr)
 
 
 def _ago(timestamp: float) -> str:

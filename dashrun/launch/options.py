@@ -28,6 +28,7 @@ from dashrun import env
 from dashrun.errors import UsageError
 from dashrun.launch.checks import check_values, max_nodes, memd_address, nnodes_range, replicas_of
 from dashrun.launch.placement import AUTO, AgentCpus, parse_agent_cpus
+from dashrun.util.console import LOG_FORMATS, LOG_LEVELS
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_size
 from dashrun.version import __version__
@@ -89,6 +90,8 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("agent_cpus", ("--agent-cpus", "--agent_cpus")),
     OptionName("operator_key", ("--operator-key", "--operator_key")),
     OptionName("weak_token_ok", ("--weak-token-ok", "--weak_token_ok"), "store_true"),
+    OptionName("log_level", ("--log-level", "--log_level")),
+    OptionName("log_format", ("--log-format", "--log_format")),
     # torchrun's
     OptionName("nnodes", ("--nnodes",)),
     OptionName("node_rank", ("--node-rank", "--node_rank")),
@@ -232,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     NAMES["weak_token_ok"].add_to(group, default=env.get(env.WEAK_TOKEN_OK, "0") == "1",
                                   help=f"take a token that is not 64 random hex digits, with a warning (env "
                                        f"{env.WEAK_TOKEN_OK.name}=1, which the ranks and dash-agent inherit).")
+    NAMES["log_level"].add_to(group, default=env.get(env.LOG_LEVEL, "INFO"), metavar="LEVEL",
+                              help=f"{', '.join(LOG_LEVELS)}: of this launcher, its dash-agent and private dash-memd "
+                                   f"(env {env.LOG_LEVEL.name}; default INFO).")
+    NAMES["log_format"].add_to(group, default=env.get(env.LOG_FORMAT, "text"), metavar="FORMAT",
+                               help=f"{' or '.join(LOG_FORMATS)}: json prints one object a line (time, level, logger, "
+                                    f"message, job and rank where known), for log shippers (env "
+                                    f"{env.LOG_FORMAT.name}; default text).")
     return parser
 
 

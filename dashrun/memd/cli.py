@@ -18,7 +18,8 @@ from dashrun import env
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode, UsageError
 from dashrun.memd.config import MemdConfig, default_memory_limit
-from dashrun.util.console import run_click, setup_logging
+from dashrun.util.metrics import parse_metrics_listen
+from dashrun.util.console import log_options, run_click, setup_logging
 from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token, write_token
 from dashrun.util.units import format_size, parse_address, parse_size
@@ -101,11 +102,13 @@ def cli() -> None:
                    "private dash-memd.")
 @click.option("--weak-token-ok", envvar=env.WEAK_TOKEN_OK.name, show_envvar=True, is_flag=True,
               help="Take a token that is not 64 random hex digits, with a warning.")
-@click.option("--log-level", envvar=env.LOG_LEVEL.name, show_envvar=True, default="INFO", show_default=True,
-              help="DEBUG, INFO or WARNING.")
+@click.option("--metrics-listen", envvar=env.METRICS_LISTEN.name, show_envvar=True, default=None,
+              metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST left out: "
+                                         "loopback; docs/metrics.md names them).")
+@log_options
 def start(**options) -> None:
     """Run dash-memd in the foreground until SIGTERM or SIGINT."""
-    setup_logging(PROGRAM, options.pop("log_level"))
+    setup_logging(PROGRAM, options.pop("log_level"), options.pop("log_format"))
     if options.pop("weak_token_ok"):
         os.environ[env.WEAK_TOKEN_OK.name] = "1"  # where read_token looks
     sys.exit(run(config_from_options(**options)))
@@ -174,9 +177,11 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
                         ready_file: str | None, no_tls: bool = False, tls_cert: str | None = None,
                         tls_key: str | None = None, max_unauthenticated: int = 32,
                         parent_pid: int | None = None, insecure_plaintext: bool = False,
-                        data_cache: str | None = None, data_cache_limit: str | None = None) -> MemdConfig:
+                        data_cache: str | None = None, data_cache_limit: str | None = None,
+                        metrics_listen: str | None = None) -> MemdConfig:
     """The options of ``dash-memd start`` as a config; raises UsageError."""
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
+    metrics = parse_metrics_listen(metrics_listen) if metrics_listen else None
     return MemdConfig(
         host=host, port=port, data_dir=Path(data_dir),
         memory_limit=_memory_limit(memory_limit),
@@ -187,7 +192,7 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
         shutdown_timeout=shutdown_timeout, ready_file=Path(ready_file) if ready_file else None,
         no_tls=no_tls, insecure_plaintext=insecure_plaintext, tls_cert=Path(tls_cert) if tls_cert else None, tls_key=Path(tls_key) if tls_key else None,
         parent_pid=parent_pid, data_cache=Path(data_cache) if data_cache else None,
-        data_cache_limit=parse_size(data_cache_limit) if data_cache_limit else None,
+        data_cache_limit=parse_size(data_cache_limit) if data_cache_limit else None, metrics=metrics,
     )
 
 

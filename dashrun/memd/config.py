@@ -68,6 +68,8 @@ class MemdConfig:
     #: the process that started this one (dashrun's private dash-memd: the launcher); once it is gone, dash-memd
     #: stops as on SIGTERM, its disk writes finished first (None: it runs until told to stop)
     parent_pid: int | None = None
+    #: (host, port) of the Prometheus /metrics endpoint (--metrics-listen); None: none served
+    metrics: tuple[str, int] | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -113,6 +113,7 @@ class MemdServer:
         self._tag_lock = threading.Lock()
         # Made (or loaded) before anything listens: a certificate that cannot be loaded is a usage error.
         self.tls = None if config.no_tls else ServerTls.load(config.tls_cert, config.tls_key, config.data_dir)
+        self.metrics = None  # --metrics-listen's (dashrun.memd.metrics), from start() to stop()
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -121,6 +122,9 @@ class MemdServer:
         self.id = read_or_create_id(self.config.data_dir / ID_FILE)
         self.catalogue.load_disk()
         self.fleet.load()
+        if self.config.metrics is not None:  # prometheus-client only when asked for
+            from dashrun.memd.metrics import MemdMetrics
+            self.metrics = MemdMetrics(self, *self.config.metrics)
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -170,9 +174,15 @@ class MemdServer:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd  # held (and the lock with it) until the process exits
 
+    def connections(self) -> int:
+        """Client connections open now, logged in or logging in."""
+        return len(self._clients)  # one read of a set's size: no lock needed
+
     def stop(self) -> None:
         """Stop serving, then finish pending disk writes within the shutdown timeout."""
         self._stopping.set()
+        if self.metrics is not None:
+            self.metrics.close()
         self.catalogue.close()
         self.fleet.close()  # requests waiting for store keys return now
         if self._listener is not None:
@@ -296,7 +306,10 @@ class MemdServer:
                     raise ProtocolError(f"unexpected {frame.kind.name} request")
                 try:
                     authorize(job, frame)  # a job's credential: that job's requests only
+                    began = time.monotonic()
                     handler(ch, frame)
+                    if self.metrics is not None:
+                        self.metrics.handled(frame, time.monotonic() - began)
                 except errors.ForbiddenError as e:
                     log.warning("%s: refused %s: %s", who, frame.kind.name, e)
                     self.forbidden += 1

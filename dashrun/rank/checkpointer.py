@@ -63,6 +63,7 @@ from dashrun.rank.restore import restore_state
 from dashrun.rank.snapshot import SaveStats, Snapshot, capture
 from dashrun.rank.stager import SAVE, Stager
 from dashrun.util.boundedjson import loads_bounded
+from dashrun.util.console import JsonFormatter
 from dashrun.util.problems import ProblemLog
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import WaitReply, WaitRequest
@@ -136,7 +137,10 @@ def _show_logs_of_rank(rank: int) -> None:
     package = logging.getLogger("dashrun")
     if not logging.getLogger().handlers and not package.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(message)s", "%H:%M:%S"))
+        if env.get(env.LOG_FORMAT) == "json":  # the launcher's --log-format: one object a line, job and rank in it
+            handler.setFormatter(JsonFormatter("dashrun"))
+        else:
+            handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(message)s", "%H:%M:%S"))
         package.addHandler(handler)
         package.setLevel(logging.INFO)
 

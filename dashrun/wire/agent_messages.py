@@ -43,6 +43,8 @@ __all__ = ["MAX_RANGES", "MAX_WAIT", "Progress", "RestoreReply", "RestoreRequest
 MAX_WAIT = 3600.0
 #: Most byte ranges one RESTORE may ask for besides the node's parts.
 MAX_RANGES = 16384
+#: Most seconds of stall a rank may report (a year): beyond is a malformed body.
+MAX_STALL = 365 * 86400.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +55,26 @@ class SnapshotRequest:
     tells the rest). ``emergency``: taken because of an interruption notice.
     ``checksum``: the rank computes the shard's CRC-32C as it stages and sends
     it with its last PROGRESS; otherwise the agent computes it as it sends.
+    ``skipped`` and ``stall_s``: the rank's snapshots skipped and seconds its
+    training was blocked by saves, since it started (for dash-agent's metrics;
+    sent only once non-zero, so older agents see the body they knew).
     """
 
     shard: ShardHeader
     ready: int = 0
     emergency: bool = False
     checksum: bool = False
+    skipped: int = 0
+    stall_s: float = 0.0
 
     def to_body(self) -> dict[str, Any]:
-        return {"shard": self.shard.to_body(), "ready": self.ready, "emergency": self.emergency,
+        body = {"shard": self.shard.to_body(), "ready": self.ready, "emergency": self.emergency,
                 "checksum": self.checksum}
+        if self.skipped:
+            body["skipped"] = self.skipped
+        if self.stall_s:
+            body["stall_s"] = self.stall_s
+        return body
 
     @classmethod
     def from_body(cls, body: dict) -> SnapshotRequest:
@@ -72,7 +84,9 @@ class SnapshotRequest:
         header = ShardHeader.from_body(shard)
         return cls(shard=header, ready=field_int(body, "ready", 0, header.nbytes),
                    emergency=field_bool(body, "emergency", default=False),
-                   checksum=field_bool(body, "checksum", default=False))
+                   checksum=field_bool(body, "checksum", default=False),
+                   skipped=field_int(body, "skipped", 0, MAX_STEP, default=0),
+                   stall_s=field_float(body, "stall_s", 0.0, MAX_STALL, default=0.0))
 
 
 @dataclasses.dataclass(frozen=True)

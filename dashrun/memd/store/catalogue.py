@@ -328,7 +328,8 @@ class Catalogue:
         steps = self.ledger.committed.get(job, {})
         spec = self.ledger.specs.get(job)
         checkpoints = [{"step": e.step, "state": e.state.value, "tiers": sorted(e.tiers), "world": e.world,
-                        "nbytes": e.info.nbytes, "committed_at": e.info.committed_at}
+                        "nbytes": e.info.nbytes, "committed_at": e.info.committed_at,
+                        **({} if e.commit_seconds is None else {"commit_s": round(e.commit_seconds, 6)})}
                        for _, e in sorted(steps.items())]
         newest = checkpoints[-1] if checkpoints else None
         return listing.summary(

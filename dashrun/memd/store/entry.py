@@ -65,6 +65,10 @@ class Entry:
     generation: int = 0      # the world generation of its shards: one for all, the newest that sent any
     dropped: bool = False    # no longer in the catalogue; release buffers when unpinned
     touched: float = dataclasses.field(default_factory=time.monotonic)
+    #: when its first shard was announced (monotonic): a commit's latency counts from here
+    begun: float = dataclasses.field(default_factory=time.monotonic)
+    #: seconds from ``begun`` to its commit; None for one loaded from disk or the bucket at a start
+    commit_seconds: float | None = None
 
     def __setattr__(self, name: str, value) -> None:
         if name == "state" and "state" in self.__dict__:

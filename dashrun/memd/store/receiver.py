@@ -64,6 +64,8 @@ class Receiver:
         #: (:meth:`dashrun.memd.fleet.membership.Membership.check_shard`). Called as a shard is announced and as its
         #: checkpoint commits, with the ledger's lock held; it must not block.
         self.fence: Callable[[ShardHeader], None] = lambda header: None
+        #: Told of each commit (dash-memd's metrics), with the ledger's lock held; it must not block.
+        self.on_commit: Callable[[Entry], None] = lambda entry: None
 
     def begin_shard(self, header: ShardHeader, cancel: Callable[[], None] | None = None) -> Ticket:
         """Reserve RAM for a shard about to arrive; ``cancel`` ends its receive (:class:`Ticket`). Raises
@@ -227,9 +229,11 @@ class Receiver:
         self.ledger.ram.adopt(info, [entry.buffers[r] for r in range(entry.world)])
         steps[entry.step] = entry
         entry.advance(State.COMMITTED)
+        entry.commit_seconds = max(0.0, time.monotonic() - entry.begun)
         log.info("%s step %d: %s in RAM", entry.job, entry.step, format_size(info.nbytes))
         for other in [e for (job, step), e in ledger.receiving.items() if job == entry.job and step < entry.step]:
             ledger.drop_receiving(other)
+        self.on_commit(entry)
         self.disk_writer.submit(entry)
         self.retention.trim_ram(entry.job)
         self.ledger.cond.notify_all()

@@ -3,9 +3,8 @@
 Every connection must prove it holds the cluster's token within
 ``auth_timeout`` before any state is touched; until then a body may not
 exceed 4 KiB, no data is accepted, and the connection counts against a small
-budget of its own (:mod:`dashrun.memd.admission`). Afterwards a client sends requests one
-at a time; each is validated field by field (:mod:`dashrun.wire.protocol`) and
-answered with OK or ERROR. A request that breaks the framing closes the
+budget of its own (:mod:`dashrun.memd.admission`). Afterwards a client sends requests one at a time,
+each validated field by field (:mod:`dashrun.wire.protocol`), answered with OK or ERROR. A request that breaks the framing closes the
 connection; one that is merely refused (no space, not found) does not.
 """
 
@@ -24,8 +23,8 @@ from dashrun import errors
 from dashrun.errors import ChecksumError, DashError, ProtocolError, RecordTagError, UnavailableError
 from dashrun.memd.admission import Admission, Slot
 from dashrun.memd.config import MemdConfig
-from dashrun.memd.fleet.requests import FleetRequests
 from dashrun.memd.datasets import DataListings
+from dashrun.memd.fleet.requests import FleetRequests
 from dashrun.memd.scope import authorize
 from dashrun.memd.store.catalogue import Catalogue
 from dashrun.memd.store.tiers import DiskTier, RamTier

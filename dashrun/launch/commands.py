@@ -483,3 +483,9 @@ def resume(job, job_id, dry_run, operator_pubkey, memd, token_file) -> None:
     console.print(escape(f"resuming {job_id} in {_shell_word(spec.cwd)}: {_command_line(spec.argv)}"))
     raise SystemExit(dispatch.launch(list(spec.argv), overrides))
 
+
+
+# The cost commands live in their own module, over dashrun.ledger; they use this module's options and links.
+from dashrun.launch.costs import sim  # noqa: E402
+
+cli.add_command(sim)

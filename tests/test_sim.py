@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from dashrun.errors import UsageError
-from dashrun.ledger.sim import Lifetimes, SimConfig, read_trace, simulate, sweep, sweep_intervals
+from dashrun.ledger.inputs import read_trace
+from dashrun.ledger.sim import Lifetimes, SimConfig, simulate, sweep, sweep_intervals
 from dashrun.launch.costs import parse_intervals
 
 

@@ -31,7 +31,7 @@ from rich.table import Table
 
 from dashrun import env
 from dashrun.errors import NotFoundError, UsageError
-from dashrun.launch import dispatch
+from dashrun.launch import costs, dispatch
 from dashrun.launch.holdings_view import holdings_lines
 from dashrun.launch.jobstate import JobState, job_state, restarts, steps_per_second
 from dashrun.launch.options import memd_address, require_token_file
@@ -485,7 +485,6 @@ def resume(job, job_id, dry_run, operator_pubkey, memd, token_file) -> None:
 
 
 
-# The cost commands live in their own module, over dashrun.ledger; they use this module's options and links.
-from dashrun.launch.costs import sim  # noqa: E402
-
-cli.add_command(sim)
+# The cost commands (sim, report) live in their own module, with this module's dash-memd options and link.
+for _command in costs.commands(memd_options, connect, _job_param):
+    cli.add_command(_command)

@@ -34,22 +34,18 @@ by less than their noise, and the fit smooths it; where the fit has no minimum
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import heapq
-import io
 import math
 import random
-from pathlib import Path
 from typing import Iterable, Sequence
 
 from dashrun.errors import UsageError
 
-__all__ = ["MAX_TRACE_EVENTS", "Lifetimes", "Outcome", "SimConfig", "Sweep", "TraceEvent", "read_hazard",
-           "read_trace", "simulate", "sweep", "sweep_intervals", "young_daly"]
+__all__ = ["JOIN_EVENTS", "KILL_EVENTS", "MAX_HAZARD_HOURS", "NOTICE_EVENTS", "Lifetimes", "Outcome", "Point",
+           "SimConfig", "Sweep", "TraceEvent", "simulate", "sweep", "sweep_intervals", "young_daly"]
 
-#: Rows read from a trace or a hazard file at most.
-MAX_TRACE_EVENTS = 1_000_000
+#: Hours of a hazard table at most.
 MAX_HAZARD_HOURS = 100_000
 #: Node losses one run may take before it is called hopeless (a job that never outruns its preemptions).
 MAX_LOSSES = 1_000_000
@@ -57,7 +53,6 @@ MAX_LOSSES = 1_000_000
 NOTICE_EVENTS = frozenset({"notice", "left"})
 KILL_EVENTS = frozenset({"killed", "died", "preempted"})
 JOIN_EVENTS = frozenset({"joined", "join"})
-_MAX_NODE_NAME = 255
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,66 +453,3 @@ def _fit(points: Sequence[Point]) -> tuple[float, float] | None:
 def _det3(m: Sequence[Sequence[float]]) -> float:
     return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
             + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-
-
-# --- files -----------------------------------------------------------------------------------------
-
-
-def _rows(path: Path, what: str, limit: int) -> list[list[str]]:
-    try:
-        if path.stat().st_size > 64 * limit:
-            raise UsageError(f"{what} {path} is too large (more than {limit} rows)")
-        text = path.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{what} {path} is not text") from None
-    rows = [row for row in csv.reader(io.StringIO(text)) if row and not row[0].lstrip().startswith("#")]
-    if len(rows) > limit:
-        raise UsageError(f"{what} {path} has more than {limit} rows")
-    return rows
-
-
-def read_trace(path: Path) -> tuple[TraceEvent, ...]:
-    """A trace: CSV ``time,node,event`` (a header line allowed), events ``killed``/``died``/``preempted`` (gone,
-    no notice), ``notice``/``left`` (gone after a notice: an emergency checkpoint), ``joined``; sorted by time."""
-    events = []
-    for number, row in enumerate(_rows(path, "trace", MAX_TRACE_EVENTS), 1):
-        if number == 1 and row[0].strip().lower() == "time":
-            continue
-        if len(row) != 3:
-            raise UsageError(f"{path} line {number}: expected time,node,event")
-        when, node, event = (cell.strip() for cell in row)
-        try:
-            seconds = float(when)
-        except ValueError:
-            seconds = -1.0
-        if not 0 <= seconds < math.inf:
-            raise UsageError(f"{path} line {number}: time {when!r} is not seconds from the start")
-        if not node or len(node) > _MAX_NODE_NAME or not node.isprintable():
-            raise UsageError(f"{path} line {number}: the node must be a name of 1 to {_MAX_NODE_NAME} characters")
-        if event not in NOTICE_EVENTS | KILL_EVENTS | JOIN_EVENTS:
-            raise UsageError(f"{path} line {number}: event {event!r} is not joined, notice or killed")
-        events.append(TraceEvent(seconds, node, event))
-    if not events:
-        raise UsageError(f"trace {path} has no events")
-    return tuple(sorted(events, key=lambda e: e.time))
-
-
-def read_hazard(path: Path) -> tuple[float, ...]:
-    """An hourly hazard table: CSV ``hour,probability`` (a header line allowed), hours 0, 1, 2, ... in order: the
-    probability that a node alive at the start of that hour of its life is taken within it."""
-    table = []
-    for number, row in enumerate(_rows(path, "hazard table", MAX_HAZARD_HOURS), 1):
-        if number == 1 and row[0].strip().lower() == "hour":
-            continue
-        try:
-            hour, p = int(row[0]), float(row[1])
-        except (ValueError, IndexError):
-            raise UsageError(f"{path} line {number}: expected hour,probability") from None
-        if hour != len(table) or not 0 <= p <= 1:
-            raise UsageError(f"{path} line {number}: hours count up from 0, each with a probability from 0 to 1")
-        table.append(p)
-    if not table:
-        raise UsageError(f"hazard table {path} has no hours")
-    return tuple(table)

@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from dashrun.errors import ProtocolError
+from dashrun.wire.history import Restored
 from dashrun.wire.messages import CheckpointInfo, ShardHeader
 from dashrun.wire.protocol import (
     MAX_BYTES,
@@ -52,16 +53,22 @@ class SnapshotRequest:
     tells the rest). ``emergency``: taken because of an interruption notice.
     ``checksum``: the rank computes the shard's CRC-32C as it stages and sends
     it with its last PROGRESS; otherwise the agent computes it as it sends.
+    ``restored``: how the rank's run began (the job's run history counts the
+    steps redone from it: :mod:`dashrun.wire.history`).
     """
 
     shard: ShardHeader
     ready: int = 0
     emergency: bool = False
     checksum: bool = False
+    restored: Restored | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {"shard": self.shard.to_body(), "ready": self.ready, "emergency": self.emergency,
+        body = {"shard": self.shard.to_body(), "ready": self.ready, "emergency": self.emergency,
                 "checksum": self.checksum}
+        if self.restored is not None:
+            body["restored"] = self.restored.to_body()
+        return body
 
     @classmethod
     def from_body(cls, body: dict) -> SnapshotRequest:
@@ -71,7 +78,8 @@ class SnapshotRequest:
         header = ShardHeader.from_body(shard)
         return cls(shard=header, ready=field_int(body, "ready", 0, header.nbytes),
                    emergency=field_bool(body, "emergency", default=False),
-                   checksum=field_bool(body, "checksum", default=False))
+                   checksum=field_bool(body, "checksum", default=False),
+                   restored=None if body.get("restored") is None else Restored.from_body(body["restored"]))
 
 
 @dataclasses.dataclass(frozen=True)

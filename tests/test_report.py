@@ -100,7 +100,18 @@ def test_a_job_with_a_crash_and_a_notice_reported_field_by_field(memd_factory, t
 
     human = report(memd, job, "--prices", str(prices), "--compare-on-demand", "g5.xlarge")
     assert human.returncode == 0, human.stderr
-    assert f"{body['steps_done']} steps done, 5 redone" in human.stdout and "spot saved" in human.stdout and "as long" in human.stdout
+    assert f"{body['steps_done']} steps done, 5 redone" in human.stdout
+    assert "spot saved" in human.stdout and "as long" in human.stdout
+
+    # The simulator takes what it is not given from the job's ledger.
+    sim = subprocess.run([sys.executable, "-m", "dashrun", "sim", "--from-job", job, "--memd", memd.address,
+                          "--token-file", str(memd.token_file), *memd.tls_args, "--checkpoint-cost", "0.5",
+                          "--runs", "3", "--json"], capture_output=True, text=True, timeout=60)
+    assert sim.returncode == 0, sim.stderr
+    inputs = json.loads(sim.stdout)["inputs"]
+    assert inputs["steps"] == body["steps_done"] and inputs["nodes"] == [1, 1]
+    assert inputs["step_time_s"] == pytest.approx(body["node_seconds_per_step"])
+    assert inputs["restore_time_s"] > 0 and inputs["state_size"] > 0
 
     # The ledger is kept with the job: a restarted dash-memd reports the same.
     data_dir = memd.data_dir
@@ -157,3 +168,33 @@ def test_a_node_that_joins_again_without_an_end_was_killed_with_its_launcher():
         (100.0, 150.0, "killed", "g5.xlarge", "spot"), (300.0, 400.0, "finished", "g5.xlarge", "spot")]
     body = compute("j", events, history, running=False)
     assert body["preemptions"] == {"notice": 0, "killed": 1} and body["steps_done"] == 30
+
+
+def test_plot_writes_a_png_with_matplotlib_and_says_how_to_install_it_without(memd, tmp_path):
+    with memd.client() as client:
+        client.record_membership("plotted", MembershipEvent(time.time() - 60, "n", "joined", "started", 1, 0))
+        client.record_membership("plotted", MembershipEvent(time.time(), "n", "finished", "ranks exited 0", 1, 0, 9))
+    png = tmp_path / "job.png"
+    done = report(memd, "plotted", "--plot", str(png))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert done.returncode == 2 and "--plot needs matplotlib" in done.stderr
+        assert "pip install 'dashrun[plot]'" in done.stderr and not png.exists()
+        return
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_fleet_nodes_announced_domain_goes_into_its_jobs_ledger(memd):
+    from dashrun.wire.holdings import Holdings
+
+    with memd.client() as client:
+        client.announce(Holdings("fleet", "a", "-", 0, 1, FailureDomain.parse("us-east-1a/g5.xlarge:spot")))
+        assert client.run_history("fleet") == ([], None)  # not a job dashrun launched: no ledger of it
+        client.record_membership("fleet", MembershipEvent(time.time(), "a", "joined", "started", 2, 1))
+        client.announce(Holdings("fleet", "a", "-", 0, 1, FailureDomain.parse("us-east-1a/g5.xlarge:spot")))
+        client.announce(Holdings("fleet", "b", "-", 0, 1, FailureDomain.parse("us-east-1b/g5.xlarge:on-demand")))
+        _, history = client.run_history("fleet")
+    assert {node: d.label for node, d in history.domains.items()} == {
+        "a": "us-east-1a/g5.xlarge:spot", "b": "us-east-1b/g5.xlarge:on-demand"}

@@ -88,7 +88,8 @@ def commands(memd_options: Callable, connect: Callable, job_param: Callable) -> 
     @click.option("--plot", type=click.Path(dir_okay=False), default=None, show_envvar=True,
                   help="Write a PNG of world size and step over time (needs matplotlib: dashrun[plot]).")
     @click.option("--json", is_flag=True, show_envvar=True, help="Print JSON.")
-    def report(job, memd, token_file, prices, compare_on_demand, instance_type, market, plot, json) -> None:  # noqa: A002 (twin DASH_REPORT_JSON)
+    def report(job, memd, token_file, prices, compare_on_demand, instance_type, market, plot,
+               json) -> None:  # noqa: A002 (the name makes the twin DASH_REPORT_JSON)
         """What JOB's run cost and saved: node-hours by instance type and market, goodput, steps redone, time
         lost, and with --prices its cost, against on-demand nodes with --compare-on-demand."""
         table = inputs.read_prices(Path(prices)) if prices else None
@@ -144,7 +145,8 @@ def commands(memd_options: Callable, connect: Callable, job_param: Callable) -> 
                   help="Take what is not given from this job's run history in dash-memd.")
     @memd_options
     def sim(steps, step_time, checkpoint_cost, restore_time, startup, state_size, nodes, mtbf, hazard, max_lifetime,
-            trace, replace_time, notice, price, interval, runs, seed, json, from_job, memd, token_file) -> None:  # noqa: A002
+            trace, replace_time, notice, price, interval, runs, seed, json, from_job, memd,
+            token_file) -> None:  # noqa: A002 (twin DASH_SIM_JSON)
         """Simulate a job on Spot nodes over checkpoint intervals: expected time, cost, goodput, steps lost, and the
         interval to use. With --from-job JOB, what is not given comes from that job's run history."""
         if from_job is not None:

@@ -181,19 +181,18 @@ class Membership:
 
     def note_snapshot(self, header: ShardHeader, restored: Restored | None) -> None:
         """Count a snapshot a rank reported in the job's run history (:class:`RunHistory`); on disk within
-        :data:`HISTORY_SAVE_PERIOD`. A job past :data:`MAX_MEMBERSHIP_JOBS` keeps none."""
+        :data:`HISTORY_SAVE_PERIOD`. Only a job launched by dashrun keeps one (its launch recorded it joined):
+        shards from other clients (dashrun.dcp.Writer, a script of the operator's) leave no record."""
         with self._lock:
             record = self._jobs.get(header.job)
             if record is None:
-                if len(self._jobs) >= MAX_MEMBERSHIP_JOBS:
-                    return
-                record = self._add(header.job)
+                return
             if not record.history.note_snapshot(header, restored, time.time()):
                 return
             record.dirty = True
             due = time.monotonic() - record.saved_at >= HISTORY_SAVE_PERIOD
-        if due:
-            self._save(header.job)
+        if due:  # not fsynced: a dash-memd that dies keeps it (the kernel has it), a machine that dies loses a second
+            self._save(header.job, durable=False)
 
     def note_domain(self, job: str, node: str, domain: FailureDomain | None) -> None:
         """Keep the failure domain ``node`` of ``job`` announced (its instance type, zone, market) in the job's
@@ -236,7 +235,7 @@ class Membership:
         record = self._jobs[job] = _Job()
         return record
 
-    def _save(self, job: str) -> None:
+    def _save(self, job: str, durable: bool = True) -> None:
         """Write ``job``'s record as it is now (remove its file if it has none); OSError if that fails."""
         with self._write_lock:
             with self._lock:
@@ -245,20 +244,20 @@ class Membership:
                 if record is not None:
                     record.saved_at, record.dirty = time.monotonic(), False
             try:
-                self._write(job, body)
+                self._write(job, body, durable)
             except OSError:
                 if record is not None:
                     record.dirty = True
                 raise
 
-    def _write(self, job: str, body: dict | None) -> None:
+    def _write(self, job: str, body: dict | None, durable: bool = True) -> None:
         """Replace ``job``'s file with ``body``, or remove it (None); the write lock held."""
         path = self.root / f"{job}.json"
         if body is None:
             path.unlink(missing_ok=True)
         else:
             self.root.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(body, separators=(",", ":")))
+            write_atomic(path, json.dumps(body, separators=(",", ":")), durable=durable)
 
 
 def _body(generation: int, record: _Job) -> dict:

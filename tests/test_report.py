@@ -198,3 +198,22 @@ def test_a_fleet_nodes_announced_domain_goes_into_its_jobs_ledger(memd):
         _, history = client.run_history("fleet")
     assert {node: d.label for node, d in history.domains.items()} == {
         "a": "us-east-1a/g5.xlarge:spot", "b": "us-east-1b/g5.xlarge:on-demand"}
+
+
+def test_a_run_history_survives_a_reload_and_a_malformed_one_costs_only_itself(tmp_path):
+    from dashrun.memd.fleet.membership import Membership
+
+    kept = Membership(tmp_path / "membership")
+    kept.record("j", MembershipEvent(1.0, "n", "joined", "started", 1, 0))
+    kept.note_snapshot(_header(4), Restored(-1, 0.5, 2.0))
+    kept.flush()
+    again = Membership(tmp_path / "membership")
+    again.load()
+    assert again.run_history("j") == kept.run_history("j") and again.run_history("j")["high"] == 4
+    path = tmp_path / "membership" / "j.json"
+    body = json.loads(path.read_text())
+    body["history"]["points"] = [["not", "a", "point"]]
+    path.write_text(json.dumps(body))
+    broken = Membership(tmp_path / "membership")
+    broken.load()
+    assert [e.change for e in broken.history("j")] == ["joined"] and broken.run_history("j")["high"] == -1

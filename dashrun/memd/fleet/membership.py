@@ -107,7 +107,10 @@ class Membership:
                     record.generation = field_int(raw, "generation", 0, MAX_STEP)
                     record.events.extend(MembershipEvent.from_body(e) for e in raw["events"][-MAX_EVENTS:])
                     if raw.get("history") is not None:
-                        record.history = RunHistory.from_body(raw["history"])
+                        try:
+                            record.history = RunHistory.from_body(raw["history"])
+                        except ProtocolError as e:  # the events and the fence stand without it
+                            log.warning("membership: the run history in %s is ignored: %s", path, e)
                 except (OSError, ValueError, ProtocolError) as e:
                     log.warning("membership: ignored %s: %s", path, e)
                     continue

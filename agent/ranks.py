@@ -435,8 +435,9 @@ class RankConnection:
                 self.reply(request_id, RestoreReply(found=False).to_body())
             else:
                 with lease:  # our own descriptor: the cache may drop the image while we send it
+                    holders = self.agent.restores.direct_holders(lease.info) if lease.direct else {}
                     reply = RestoreReply(found=True, checkpoint=lease.info, tails=tuple(lease.tails),
-                                         direct=lease.direct)
+                                         direct=lease.direct, holders=holders, node=self.agent.config.node)
                     self.reply(request_id, reply.to_body(), fds=[lease.fd])
                 # A rank restoring sharded state asks again for its pieces (in several requests if they are
                 # many): the image stays for that.

@@ -7,9 +7,9 @@ the replicated state, and their own private parts; see
 memfd segment laid out as :mod:`dashrun.wire.layout` says, and the node's
 other ranks are handed descriptors of the same segment; a rank whose private
 part is not in it yet has it fetched into place first. The only rank of a
-node may instead read the replicated state from dash-memd itself (``direct``),
-where dash-memd is its only holder (not this agent's store, not a peer),
-straight into the tensors it has (:mod:`dashrun.rank.direct`): the image then
+node may instead read the replicated state itself (``direct``), from the
+peers that hold it or from dash-memd, where this agent's store does not hold
+it, straight into the tensors it has (:mod:`dashrun.rank.direct`): the image then
 holds the tails alone, and no fresh memory the size of the state is written
 first. When the agent
 starts for a job it fetches the job's newest checkpoint at once
@@ -32,12 +32,12 @@ import time
 from typing import Callable, Collection, Iterator
 
 from dashrun.agent.config import AgentConfig
-from dashrun.agent.peers.client import PeerClient
+from dashrun.wire.peer_client import PeerClient
 from dashrun.agent.peers.store import Store
 from dashrun.errors import ChecksumError, DashError, NotFoundError, UnavailableError
 from dashrun.util.files import unmap
 from dashrun.wire import layout
-from dashrun.wire.holdings import ANNOUNCE_PERIOD, Located
+from dashrun.wire.holdings import ANNOUNCE_PERIOD, Holder, Located
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import CheckpointInfo
 from dashrun.wire.planner import (
@@ -278,8 +278,8 @@ class RestoreCache:
     def _get(self, info: CheckpointInfo, ranks: Collection[int] | None,
              ranges: Collection[tuple[int, int, int]] = (), direct: bool = False) -> Lease:
         job = info.job
-        # A rank reads the replicated state from dash-memd itself only where no faster holder has it.
-        direct = direct and not self._held_nearer(info)
+        # A rank reads the replicated state itself (from peers or dash-memd) unless this node holds it.
+        direct = direct and not self._held_here(info)
         with self._lock:
             job_lock = self._fetching.setdefault(job, threading.Lock())
         with job_lock:
@@ -344,14 +344,19 @@ class RestoreCache:
         log.info("fetched %s step %d (%s) in %.2fs", info.job, info.step,
                  ", ".join(f"{n} bytes from {source}" for source, n in served.items()), time.monotonic() - started)
 
-    def _held_nearer(self, info: CheckpointInfo) -> bool:
-        """Whether this agent's store or a peer holds the checkpoint's replicated state (dash-memd is not the only
-        holder: the node's image is filled from them, rather than a rank reading dash-memd directly)."""
+    def _held_here(self, info: CheckpointInfo) -> bool:
+        """Whether this agent's store holds every slice of the checkpoint's replicated state (the node's image
+        is filled from it without the network, rather than a rank reading it from elsewhere)."""
         slices = [shard for shard in info.shards if shard.rep_end > shard.rep_start]
-        if self.store is not None and all(self.store.holds(info.job, info.step, shard.rank, shard.crc)
-                                          for shard in slices):
-            return True
-        return self.peer_connect is not None and bool(self._holders_of(info))
+        return self.store is not None and all(self.store.holds(info.job, info.step, shard.rank, shard.crc)
+                                              for shard in slices)
+
+    def direct_holders(self, info: CheckpointInfo) -> dict[int, list[Holder]]:
+        """The other nodes a rank reading ``info``'s replicated state itself reads it from, before dash-memd."""
+        if self.peer_connect is None:
+            return {}
+        return {rank: [Holder(*peer) for peer in peers] for rank, peers in self._holders_of(info).items()
+                if info.shards[rank].rep_end > info.shards[rank].rep_start}
 
     def _sources(self, image: RestoreImage) -> list[Source]:
         """Where a restore's bytes come from, fastest first: the image, this agent's store, peers, dash-memd."""

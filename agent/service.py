@@ -34,7 +34,7 @@ from typing import Callable
 from dashrun.agent.announcer import Announcer
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.identity import this_domain
-from dashrun.agent.peers.client import PeerClient
+from dashrun.wire.peer_client import PeerClient
 from dashrun.agent.peers.delivery import MemdFeed, Outcome
 from dashrun.agent.peers.own import OwnCopy
 from dashrun.agent.peers.placement import Member as Placed

@@ -32,7 +32,7 @@ from unittest import mock
 
 import benchlib
 
-from dashrun.testing import netns
+from dashrun.testing import netns, pinning
 from dashrun.testing.agent import Agent
 from dashrun.testing.memd import Memd
 from dashrun.testing.processes import wait_for
@@ -74,6 +74,10 @@ class Bench:
         self.thin.shape_inbound(rate)
         self.memd = Memd(workdir / "memd-data", self.token_file, "--memory-limit", "2GiB",
                          log_path=workdir / "memd.log", netns=self.thin).start()
+        # Nodes are machines of their own: the holders (and dash-memd) on one core, the nodes restoring on the
+        # other, as the bare pair's sender and receiver.
+        self.near, self.far, self.separate = pinning.placement()
+        pinning.pin_pid(self.memd.pid, {self.far})
         self.agents: list[Agent] = []
 
     def agent(self, node: netns.Node, name: str, job: str, replicas: int, prefetch: bool = False) -> Agent:
@@ -82,6 +86,7 @@ class Bench:
                **({"DASH_PEER_MEMORY_LIMIT": str(4 * self.size)} if replicas else {}),
                **({} if prefetch else {"DASH_NO_PREFETCH": "1"})}
         agent = Agent(self.memd, self.dir / f"{name}.sock", self.dir / f"{name}.log", env, netns=node)
+        pinning.pin_pid(agent.pid, {self.near if node in self.newcomers else self.far})
         self.agents.append(agent)
         return agent
 
@@ -116,6 +121,8 @@ class Bench:
             if replicas:  # each holder announced its own shard and one other's
                 wait_for(lambda: sum(len(n.steps.get(7, [])) for n in client.fleet_view(job)[2]) >= 2 * HOLDERS,
                          120, "the replicas to be held")
+            # committed by the fleet's copies first, dash-memd catches up behind its thin link
+            wait_for(lambda: client.latest(job) is not None, 600, "dash-memd to hold the step")
             return client.latest(job).nbytes
 
     def restore(self, job: str, count: int, replicas: int) -> dict:
@@ -127,8 +134,8 @@ class Bench:
         for i in range(count):
             agent = self.agent(self.newcomers[i], f"{job}-new{count}-{i}", job, replicas)
             env = {**benchlib.child_env(), **self.rank_env(agent, job, i % HOLDERS, HOLDERS)}
-            procs.append(subprocess.Popen([sys.executable, str(script), str(go)], env=env, stdout=subprocess.PIPE,
-                                          text=True))
+            procs.append(subprocess.Popen(["taskset", "-c", str(self.near), sys.executable, str(script), str(go)],
+                                          env=env, stdout=subprocess.PIPE, text=True))
         try:
             for proc in procs:
                 if proc.stdout.readline().strip() != "READY":
@@ -159,9 +166,12 @@ class Bench:
 
 
 def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
-    """Two nodes train one model; the loop's seconds without checkpoints, with replicas 0 and with replicas 1."""
+    """Two nodes train one model; the loop's seconds without checkpoints, with replicas 0 and with replicas 1,
+    and the CPU seconds the nodes' dash-agents spend per checkpoint. The training ranks (this process) run on a
+    core of their own, the agents and dash-memd on the other: a node's agent uses cores that training leaves."""
     import psutil
 
+    pinning.pin_process({bench.near})
     bench.thin.shape(None)
     bench.thin.shape_inbound(None)
     model, optimizer, batch, _ = benchlib.build_model(bench.size)
@@ -169,6 +179,8 @@ def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
     trainer.step()
     times: dict[str, list[float]] = {"no checkpoints": [], "--replicas 0": [], "--replicas 1": []}
     rss: dict[str, float] = {}
+    agent_cpu: dict[str, list[float]] = {}  # per node, per checkpoint
+    memd_cpu: dict[str, list[float]] = {}  # per checkpoint of the job
     taken: dict[str, list[int]] = {}  # checkpoints a rank took (a due one is skipped while two are in flight)
     for round_ in range(rounds):
         for replicas in (0, 1):
@@ -179,6 +191,10 @@ def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
                     wait_for(lambda: "this node's replicas go to" in agent.log() and "no other" not in
                              agent.log().rsplit("replicas go to", 1)[-1], 60, "replicas placed")
             ranks = bench.checkpointers(agents, job, model, optimizer, interval)
+            procs = [psutil.Process(a.pid) for a in agents]
+            memd = psutil.Process(bench.memd.pid)
+            started_cpu = sum(p.cpu_times().user + p.cpu_times().system for p in procs)  # after the agents started
+            memd_started = memd.cpu_times().user + memd.cpu_times().system
             for label, saving in (("no checkpoints", False), (f"--replicas {replicas}", True)):
                 if label == "no checkpoints" and replicas:
                     continue
@@ -194,17 +210,24 @@ def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:
             for ckpt in ranks:
                 ckpt.wait(timeout=600)
                 ckpt.close()
-            rss[f"--replicas {replicas}"] = max(psutil.Process(a.proc.pid).memory_info().rss for a in agents)
+            label = f"--replicas {replicas}"
+            rss[label] = max(p.memory_info().rss for p in procs)
+            spent = (sum(p.cpu_times().user + p.cpu_times().system for p in procs) - started_cpu) / len(procs)
+            agent_cpu.setdefault(label, []).append(spent / max(1, taken[label][-1]))
+            memd_spent = memd.cpu_times().user + memd.cpu_times().system - memd_started
+            memd_cpu.setdefault(label, []).append(memd_spent / max(1, taken[label][-1]))
             bench.stop()
     base = statistics.median(times["no checkpoints"])
     return {"steps": steps, "interval": interval, "times_s": times, "checkpoints": taken,
             "added_per_checkpoint_s": {label: statistics.median((t - base) / n
                                                                 for t, n in zip(times[label], taken[label]))
                                        for label in taken},
-            "agent_rss_bytes": rss}
+            "agent_rss_bytes": rss,
+            "agent_cpu_per_checkpoint_s": {label: statistics.median(v) for label, v in agent_cpu.items()},
+            "memd_cpu_per_checkpoint_s": {label: statistics.median(v) for label, v in memd_cpu.items()}}
 
 
-def run(size: int, rate: str, steps: int, interval: int, rounds: int) -> dict:
+def run(size: int, rate: str, steps: int, interval: int, rounds: int, counts: list[int], training: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -217,12 +240,13 @@ def run(size: int, rate: str, steps: int, interval: int, rounds: int) -> dict:
             nbytes = bench.save("peers", 1, model, optimizer)
             bench.save("memd", 0, model, optimizer)
             restores = {}
-            for count in (1, 2, 3):
+            for count in counts:
                 restores[count] = {"peers": bench.restore("peers", count, 1),
                                    "memd": bench.restore("memd", count, 0)}
-            bare = [fleet.measure(bench.holders[0], bench.newcomers[0], nbytes) for _ in range(3)]
+            bare = [fleet.measure(bench.holders[0], bench.newcomers[0], nbytes, cores=(bench.far, bench.near))
+                    for _ in range(3)]
             bench.stop()
-            cost = training_cost(bench, steps, interval, rounds)
+            cost = training_cost(bench, steps, interval, rounds) if training else None
         finally:
             bench.stop()
             bench.memd.stop()
@@ -260,12 +284,16 @@ def report(r: dict, machine: dict) -> None:
                   f"{'' if limit is None else f'{limit:.2f}':>13} "
                   f"{'' if fetch_limit is None else f'{fetch_limit:.2f}':>14}")
     t = r["training"]
+    if t is None:
+        return
     print(f"training, two nodes, a checkpoint every {t['interval']} of {t['steps']} steps, dash-memd unshaped:")
     base = statistics.median(t["times_s"]["no checkpoints"])
     print(f"  no checkpoints: {base:.3f} s")
     for label, added in t["added_per_checkpoint_s"].items():
         print(f"  {label}: {statistics.median(t['times_s'][label]):.3f} s, {t['checkpoints'][label]} checkpoints "
-              f"taken, {added * 1e3:.1f} ms added per checkpoint; a dash-agent's RSS "
+              f"taken, {added * 1e3:.1f} ms added per checkpoint; a dash-agent's CPU per checkpoint "
+              f"{t['agent_cpu_per_checkpoint_s'][label] * 1e3:.0f} ms, dash-memd's "
+              f"{t['memd_cpu_per_checkpoint_s'][label] * 1e3:.0f} ms; a dash-agent's RSS "
               f"{t['agent_rss_bytes'][label] / MiB:.0f} MiB")
 
 
@@ -277,13 +305,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--nodes", default="1,2,3", help="how many new nodes restore at once, one run each")
+    parser.add_argument("--no-training", action="store_true", help="the restores alone, not what replicas cost")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     reason = netns.unavailable()
     if reason:
         raise SystemExit(f"bench_restore.py --peers: {reason}")
     machine = benchlib.machine()
-    result = run(args.size_mib * MiB, args.memd_rate, args.steps, args.interval, args.rounds)
+    counts = [int(n) for n in args.nodes.split(",")]
+    if not counts or not all(1 <= n <= 3 for n in counts):
+        raise SystemExit("bench_restore.py --peers: --nodes lists counts of 1 to 3 new nodes, as 1,2,3")
+    result = run(args.size_mib * MiB, args.memd_rate, args.steps, args.interval, args.rounds, counts,
+                 not args.no_training)
     report(result, machine)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine, "result": result}, indent=1))

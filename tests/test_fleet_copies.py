@@ -17,7 +17,7 @@ import psutil
 from conftest import wait_for
 from test_checkpointer import save_world, trained_objects
 
-from dashrun.agent.peers.client import PeerClient
+from dashrun.wire.peer_client import PeerClient
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import WaitReply, WaitRequest
 from dashrun.wire.credentials import Credential

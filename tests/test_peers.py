@@ -20,7 +20,7 @@ import pytest
 from conftest import wait_for
 from test_checkpointer import save_world, trained_objects
 
-from dashrun.agent.peers.client import PeerClient
+from dashrun.wire.peer_client import PeerClient
 from dashrun.agent.peers.server import PeerServer, replica_get_request, replica_put_request
 from dashrun.agent.peers.store import Store
 from dashrun.errors import AuthError, ChecksumError, ConflictError, DashError, NoSpaceError, NotFoundError, \

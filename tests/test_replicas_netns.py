@@ -24,10 +24,14 @@ import torch
 from conftest import wait_for
 from runs import Cursor
 from test_checkpointer import same_state, trained_objects
+from test_elastic import Node, assert_each_sample_once, assert_redone_at_most, newest_step, runs_of_steps, worlds
 from test_fleet_copies import fleet_env as fleet_env_of
 from test_fleet_copies import holdings as holdings_of
 from test_fleet_copies import placed
-from test_elastic import Node, assert_each_sample_once, assert_redone_at_most, newest_step, runs_of_steps, worlds
+from test_restore_path import Reads as MemdReads
+from test_restore_path import state_tensors
+
+from dashrun.wire.peer_client import PeerClient
 
 JOB = "copies"
 #: dash-memd's link, each way, and what it carries a second (tbf's mbit are 10^6 bits).
@@ -153,6 +157,41 @@ def test_a_node_killed_and_relaunched_restores_from_its_peers_copies(in_namespac
     assert info.step == 4 and info.nbytes > 6_000_000
     rank = relaunched_restores_from_peers(where, agent_factory, rank_on, agents[0], ranks, 4, info.nbytes, model,
                                           opt, "a node killed and relaunched")
+    rank.close()
+    ranks[1].close()
+
+
+@VARIANTS
+def test_the_only_rank_of_a_relaunched_node_reads_the_peers_copies_straight_into_its_tensors(
+        in_namespaces, fleet_factory, memd_factory, agent_factory, rank_on, monkeypatch):
+    """With no fetch ahead, the node's image holds the tails alone: its only rank reads the replicated state from
+    the peer's copies itself, every byte once, into the tensors it has, none of it from dash-memd."""
+    where = site(in_namespaces, 2, fleet_factory, memd_factory)
+    agents, ranks, model, opt = two_nodes_saved(where, agent_factory, rank_on, 4)
+    with where.memd.client() as client:
+        info = client.locate(JOB).info
+    ranks[0].close()
+    agents[0].kill()
+    relaunched = agent_factory(where.memd, env={**fleet_env("n1", "z1/p1"), "DASH_NO_PREFETCH": "1"},
+                               netns=where.places[0])
+    read: list[int] = []  # bytes this process (the rank) read from peers
+    get_into = PeerClient.get_into
+
+    def counted(client, job, step, rank, crc, offset, views):
+        get_into(client, job, step, rank, crc, offset, views)
+        read.append(sum(len(v) for v in views))
+    monkeypatch.setattr(PeerClient, "get_into", counted)
+    memd_reads = MemdReads(monkeypatch)
+    model2, opt2 = big_state(seed=99)  # its optimizer has state: read into in place too
+    before = {t.data_ptr() for t in state_tensors(model2, opt2)}
+    cursor = Cursor()
+    rank = rank_on(relaunched, 0, 2, model=model2, optimizer=opt2, data=cursor)
+    assert rank.restore() == 5
+    assert same_state(model, model2) and same_state(opt, opt2) and cursor.position == 30
+    assert {t.data_ptr() for t in state_tensors(model2, opt2)} == before  # written in place
+    assert info.rep_total - 64 * 1024 < sum(read) <= info.rep_total and not memd_reads.nbytes
+    tails = sum(shard.nbytes - (shard.rep_end - shard.rep_start) for shard in info.shards)
+    assert [source for _, source, _ in fetches(relaunched.log())] == [f"{tails} bytes from peers"]
     rank.close()
     ranks[1].close()
 

@@ -22,7 +22,7 @@ import queue
 import threading
 from typing import Callable
 
-from dashrun.agent.peers.client import PeerClient
+from dashrun.wire.peer_client import PeerClient
 from dashrun.agent.peers.store import Store
 from dashrun.errors import DashError
 from dashrun.util.problems import ProblemLog

@@ -1,9 +1,10 @@
 """The direct read: the only rank of a node restoring straight into the tensors it has.
 
 On a CPU node of one rank, the node's image holds the tails alone and the rank
-reads the replicated state from dash-memd itself, through the restore's source
-planner (:class:`dashrun.wire.planner.Planner`), each piece received and
-decrypted straight into the tensors it already has — its parameters, its
+reads the replicated state itself (from the peers that hold copies of it, else
+from dash-memd) through the restore's source planner
+(:class:`dashrun.wire.planner.Planner`), each piece received and decrypted
+straight into the tensors it already has — its parameters, its
 optimizer's state where that exists — and into new tensors for the rest.
 Fresh memory costs more per byte than the network on a small VM, and a rank
 that built its model has touched its parameters' memory already; nothing is

@@ -12,9 +12,10 @@ ranks kept in their private state (see :mod:`dashrun.rank.snapshot`), go
 back into the replicated state: the rank's own where it saved its own, else
 rank 0's (every rank of a node has every saved rank's part in the image).
 
-The only rank of a node on the CPU reads the replicated state *directly* from
-dash-memd, straight into the tensors it already has (:mod:`dashrun.rank.direct`);
-the image then holds the tails alone.
+The only rank of a node on the CPU reads the replicated state *directly*, from
+the other nodes' agents that hold copies of it (their names come with the
+agent's reply) or else from dash-memd, straight into the tensors it already
+has (:mod:`dashrun.rank.direct`); the image then holds the tails alone.
 
 A checkpoint that the objects do not fit (other shapes, keys or keyword
 objects: the job id names a run of another model) raises one
@@ -49,7 +50,8 @@ from dashrun.wire.agent_messages import MAX_RANGES, RestoreReply, RestoreRequest
 from dashrun.wire.channel import Frame
 from dashrun.wire.memd_client import memd_from_env
 from dashrun.wire.messages import CheckpointInfo
-from dashrun.wire.planner import MemdSource, Planner, Scatter, replicated_span
+from dashrun.wire.peer_client import peers_from_env
+from dashrun.wire.planner import MemdSource, PeerSource, Planner, Scatter, Source, replicated_span
 from dashrun.wire.protocol import Kind
 
 __all__ = ["RESTORE_TIMEOUT", "agree", "decode_private", "decode_replicated", "fetch", "first_local_rank", "load",
@@ -227,12 +229,21 @@ def restore_state(link: AgentLink, *, job_id: str, rank: int, world: int, local_
         return again.fds[0]
 
     def read_spans(spans: list[tuple[int, int]], into: Scatter) -> None:
-        """Spans of the replicated state from dash-memd, as the agent would read them for the node's image."""
+        """Spans of the replicated state from the peers the agent named, else dash-memd, as the agent would
+        read them for the node's image."""
         info = reply.checkpoint
         extents = [e for start, stop in spans for e in replicated_span(info, start, stop, start)]
         # On the rank's own CPUs (as the launcher or the user placed it), not every CPU as dash-agent's would.
         streams = min(DIRECT_STREAMS, max(2, len(os.sched_getaffinity(0))))
-        Planner([MemdSource(connect, streams=streams, waited_on=lambda: False)]).read(info, extents, into)
+        sources: list[Source] = []
+        peer_connect = peers_from_env(job_id) if reply.holders else None
+        if peer_connect is not None:
+            holders = {rank: [(h.node, h.host, h.port) for h in found] for rank, found in reply.holders.items()}
+            # every holder at once: spread the rank's streams over them
+            per_holder = max(1, streams // len({h for found in holders.values() for h in found}))
+            sources.append(PeerSource(holders, peer_connect, reply.node, per_holder))
+        sources.append(MemdSource(connect, streams=streams, waited_on=lambda: False))
+        Planner(sources).read(info, extents, into)
 
     try:
         load(reply, frame.fds[0], objects, per_rank, job_id=job_id, rank=rank, world=world, owners=owners,

@@ -190,17 +190,23 @@ class Fleet:
             node._remove()
         _ip("link", "del", self.bridge, check=False)
 
-    def measure(self, sender: Node | None, receiver: Node | None, nbytes: int, timeout: float = 120) -> float:
+    def measure(self, sender: Node | None, receiver: Node | None, nbytes: int, timeout: float = 120,
+                cores: tuple[int, int] | None = None) -> float:
         """Bytes per second a bare TCP pair (no TLS, no framing) moves ``nbytes`` at from ``sender`` to
         ``receiver`` (None: the root namespace, on the bridge): the link's own limit, timed by the receiver from
-        its first byte to its last."""
+        its first byte to its last; ``cores``: the sender's and the receiver's, as a benchmark pins its nodes."""
         where = receiver.address if receiver is not None else self.host_address
         recv_cmd = [sys.executable, "-c", _RECEIVER, where]
+        send_core, recv_core = cores if cores is not None else (None, None)
+        if recv_core is not None:
+            recv_cmd = ["taskset", "-c", str(recv_core), *recv_cmd]
         recv = subprocess.Popen(receiver.command(recv_cmd) if receiver else recv_cmd, stdout=subprocess.PIPE,
                                 text=True)
         try:
             port = recv.stdout.readline().strip()
             send_cmd = [sys.executable, "-c", _SENDER, where, port, str(nbytes)]
+            if send_core is not None:
+                send_cmd = ["taskset", "-c", str(send_core), *send_cmd]
             subprocess.run(sender.command(send_cmd) if sender else send_cmd, check=True, timeout=timeout)
             got, seconds = recv.communicate(timeout=timeout)[0].split()
         finally:

@@ -11,7 +11,7 @@ import os
 import sys
 import textwrap
 
-__all__ = ["pin_process", "pinned", "placement"]
+__all__ = ["pin_pid", "pin_process", "pinned", "placement"]
 
 
 def pin_process(cores: set[int]) -> None:
@@ -20,6 +20,13 @@ def pin_process(cores: set[int]) -> None:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), cores)
     os.sched_setaffinity(0, cores)
+
+
+def pin_pid(pid: int, cores: set[int]) -> None:
+    """Pin every thread of process ``pid`` now (the threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cores)
 
 
 def placement() -> tuple[int, int, bool]:

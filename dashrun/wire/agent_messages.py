@@ -24,6 +24,7 @@ from typing import Any
 
 from dashrun.errors import ProtocolError
 from dashrun.wire.history import Restored
+from dashrun.wire.holdings import Holder, field_node, holders_from_body, holders_to_body
 from dashrun.wire.messages import CheckpointInfo, ShardHeader
 from dashrun.wire.protocol import (
     MAX_BYTES,
@@ -191,12 +192,15 @@ class RestoreRequest:
 class RestoreReply:
     """``found``: the image's descriptor is attached, laid out as :mod:`dashrun.wire.layout` says, with each
     saved rank's tail at ``tails[rank]``. ``direct``: the image holds the tails only; the rank reads the
-    replicated state from dash-memd itself."""
+    replicated state itself: from the other nodes in ``holders`` (each saved rank's, in the order node ``node``,
+    this one, tries them; see :func:`dashrun.wire.planner.pick_holder`) where they hold it, else from dash-memd."""
 
     found: bool
     checkpoint: CheckpointInfo | None = None
     tails: tuple[int, ...] = ()
     direct: bool = False
+    holders: dict[int, list[Holder]] = dataclasses.field(default_factory=dict)
+    node: str = ""
 
     def to_body(self) -> dict[str, Any]:
         if not self.found:
@@ -204,6 +208,9 @@ class RestoreReply:
         body = {"found": True, "checkpoint": self.checkpoint.to_body(), "tails": list(self.tails)}
         if self.direct:
             body["direct"] = True
+        if self.holders:
+            body["holders"] = holders_to_body(self.holders)
+            body["node"] = self.node
         return body
 
     @classmethod
@@ -218,7 +225,9 @@ class RestoreReply:
         if not (isinstance(tails, list) and len(tails) == info.world
                 and all(type(t) is int and 0 <= t <= MAX_BYTES for t in tails)):
             raise ProtocolError("field 'tails' must give one offset per saved rank")
-        return cls(found=True, checkpoint=info, tails=tuple(tails), direct=field_bool(body, "direct", default=False))
+        holders = holders_from_body(body.get("holders"), info.world)
+        return cls(found=True, checkpoint=info, tails=tuple(tails), direct=field_bool(body, "direct", default=False),
+                   holders=holders, node=field_node(body) if holders else "")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dashrun.wire.messages import CheckpointInfo, FailureDomain, ShardHeader
 from dashrun.wire.protocol import MAX_WORLD, field_bool, field_int, field_job, field_str
 
 __all__ = ["ANNOUNCE_PERIOD", "Announced", "Located", "HOLDINGS_TTL", "MAX_HELD", "MAX_MEMBERS", "HeldShard", "Holder",
-           "Holdings", "Member", "NodeView", "field_domain", "holders_from_body", "holders_to_body"]
+           "Holdings", "Member", "NodeView", "field_domain", "field_node", "holders_from_body", "holders_to_body"]
 
 #: Seconds between a dash-agent's announcements of what it holds.
 ANNOUNCE_PERIOD = 2.0
@@ -43,7 +43,7 @@ def field_domain(body: Mapping[str, Any], name: str = "domain") -> FailureDomain
     return None if raw is None else FailureDomain.from_body(raw)
 
 
-def _field_node(body: Mapping[str, Any], name: str = "node") -> str:
+def field_node(body: Mapping[str, Any], name: str = "node") -> str:
     value = body.get(name)
     if not isinstance(value, str) or not 0 < len(value) <= 255 or not value.isprintable():
         raise ProtocolError(f"field '{name}' must be printable text of 1 to 255 characters")
@@ -66,7 +66,7 @@ class HeldShard:
     def from_body(cls, body: Any) -> HeldShard:
         if not isinstance(body, dict) or not isinstance(body.get("shard"), dict):
             raise ProtocolError("a held shard must be an object with a 'shard'")
-        return cls(ShardHeader.from_body(body["shard"]), _field_node(body, "owner"),
+        return cls(ShardHeader.from_body(body["shard"]), field_node(body, "owner"),
                    field_bool(body, "committed", default=False))
 
 
@@ -97,7 +97,7 @@ class Holdings:
         shards = tuple(HeldShard.from_body(held) for held in raw)
         if any(held.shard.job != job for held in shards):
             raise ProtocolError("a node announces shards of its own job only")
-        return cls(job=job, node=_field_node(body), host=field_str(body, "host", 255, _HOST),
+        return cls(job=job, node=field_node(body), host=field_str(body, "host", 255, _HOST),
                    port=field_int(body, "port", 0, 65535), replicas=field_int(body, "replicas", 0, MAX_WORLD),
                    domain=field_domain(body), shards=shards)
 
@@ -118,7 +118,7 @@ class Holder:
         if not isinstance(raw, list) or len(raw) != 3:
             raise ProtocolError("a holder is [node, host, port]")
         body = dict(zip(("node", "host", "port"), raw))
-        return cls(_field_node(body), field_str(body, "host", 255, _HOST), field_int(body, "port", 1, 65535))
+        return cls(field_node(body), field_str(body, "host", 255, _HOST), field_int(body, "port", 1, 65535))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ class Member:
     def from_body(cls, body: Any) -> Member:
         if not isinstance(body, dict):
             raise ProtocolError("a member must be an object")
-        return cls(_field_node(body), field_str(body, "host", 255, _HOST), field_int(body, "port", 0, 65535),
+        return cls(field_node(body), field_str(body, "host", 255, _HOST), field_int(body, "port", 0, 65535),
                    field_domain(body))
 
 
@@ -162,8 +162,8 @@ class NodeView:
             if not isinstance(step, str) or not step.isdigit() or len(step) > 16 or not isinstance(owners, list) \
                     or len(owners) > MAX_MEMBERS:
                 raise ProtocolError("a node's holdings list, per step, the nodes whose shards it holds")
-            steps[int(step)] = [_field_node({"owner": owner}, "owner") for owner in owners]
-        return cls(_field_node(body), field_domain(body), field_int(body, "replicas", 0, MAX_WORLD), steps)
+            steps[int(step)] = [field_node({"owner": owner}, "owner") for owner in owners]
+        return cls(field_node(body), field_domain(body), field_int(body, "replicas", 0, MAX_WORLD), steps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -191,7 +191,7 @@ class HeldStore(Protocol):
 
 
 class PeerReader(Protocol):
-    """What :class:`PeerSource` needs of a connection to a peer (:class:`dashrun.agent.peers.client.PeerClient`)."""
+    """What :class:`PeerSource` needs of a connection to a peer (:class:`dashrun.wire.peer_client.PeerClient`)."""
 
     def get_into(self, job: str, step: int, rank: int, crc: int, offset: int,
                  views: Sequence[memoryview]) -> None: ...

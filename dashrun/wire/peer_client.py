@@ -1,5 +1,10 @@
 """The peer link's client: send a replica to another agent of the job, read a byte range of one back.
 
+dash-agent sends its node's replicas with it and fills a node's restore
+image from other agents' copies; the only rank of a node reads the
+replicated state of a checkpoint its own agent does not hold straight from
+the agents that do (:func:`peers_from_env`, :mod:`dashrun.rank.direct`).
+
 One connection (TLS, the login with the job's credential, sealed records:
 :mod:`dashrun.agent.peers.server`), requests one at a time, reconnecting on
 the next request after the connection broke. The link is always TLS, also
@@ -16,17 +21,22 @@ byte changed in transit or in the holder's memory raises ChecksumError here.
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from typing import Callable, Sequence
 
-from dashrun.errors import ChecksumError, ProtocolError
+from dashrun import env
+from dashrun.errors import ChecksumError, DashError, ProtocolError
 from dashrun.wire.channel import Channel
 from dashrun.wire.credentials import Credential
 from dashrun.wire.link import Link
 from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import MAX_BYTES, Kind
 from dashrun.wire.tls import TlsSettings
+from dashrun.util.tokens import read_token
 
-__all__ = ["PeerClient"]
+__all__ = ["PeerClient", "peers_from_env"]
+
+log = logging.getLogger(__name__)
 
 
 class PeerClient(Link):
@@ -79,3 +89,17 @@ class PeerClient(Link):
                 raise ChecksumError(f"{job} step {step}, rank {rank}'s shard from {self.address} is not the one "
                                     f"asked for (CRC-32C {got:#010x}, not {crc:#010x})")
         self._request(run)
+
+
+def peers_from_env(job: str) -> Callable[[tuple[str, str, int]], PeerClient] | None:
+    """New clients of a peer (node, host, port) of ``job``, logged in with the job's credential as the
+    launcher hands it to the ranks (``DASH_TOKEN_FILE``); None where it does not, or it cannot be read."""
+    token_file = env.get(env.TOKEN_FILE)
+    if not token_file:
+        return None
+    try:
+        credential = Credential.parse(read_token(token_file, warn=False)).for_job(job)
+    except (DashError, OSError, ValueError) as e:
+        log.warning("dashrun: cannot log in to the job's peers with %s=%s (%s)", env.TOKEN_FILE.name, token_file, e)
+        return None
+    return lambda peer: PeerClient(peer[1], peer[2], credential)

@@ -54,6 +54,7 @@ from dashrun.wire.agent_messages import (
     WaitRequest,
 )
 from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.history import Restored
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import Notice, ShardHeader
 from dashrun.wire.protocol import MAX_STEP, Kind, crc32c, field_int
@@ -120,6 +121,7 @@ class Staged:
     ready: int  # bytes [0, ready) of the shard are final
     emergency: bool = False  # taken because of an interruption notice
     checksum: bool = False  # the rank computes the shard's CRC-32C as it stages and sends it when done
+    restored: Restored | None = None  # how the rank's run began, for the job's run history in dash-memd
     crc: int | None = None
     failed: bool = False
     cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
@@ -286,7 +288,7 @@ class RankConnection:
             self.agent.metrics.rank_reported(request.skipped - skipped, request.stall_s - stall)
             self._reported = (max(skipped, request.skipped), max(stall, request.stall_s))
             staged = Staged(request_id, request.shard, view, request.ready, emergency=request.emergency,
-                            checksum=request.checksum)
+                            checksum=request.checksum, restored=request.restored)
             self._staging[request_id] = staged
             self._snapshots.put(staged)
         elif frame.kind == Kind.PROGRESS:
@@ -405,7 +407,8 @@ class RankConnection:
         def put() -> dict[str, Any]:
             began = time.monotonic()
             answer = client.put_shard(staged.header, [staged.view], gate=staged.wait_ready,
-                                      node=self.agent.config.node, crc=staged.rank_crc if staged.checksum else None)
+                                      node=self.agent.config.node, crc=staged.rank_crc if staged.checksum else None,
+                                      restored=staged.restored, domain=self.agent.domain)
             self.agent.metrics.streamed(staged.header.nbytes, time.monotonic() - began)
             return answer
         try:

@@ -140,6 +140,10 @@ class AgentServer:
         if not self._stopping.is_set():
             self.announcer.start()
 
+    def _read_domain(self) -> None:
+        config = self.config
+        self.domain = this_domain(config.failure_domain, config.cloud, config.metadata_endpoint)
+
     def _announced_address(self) -> tuple[str, int]:
         return self.peer_address or ("-", 0)  # port 0: no peer reads from this node
 
@@ -270,6 +274,8 @@ class AgentServer:
             threading.Thread(target=self._watch_notices, name="agent-notices", daemon=True).start()
         if self.config.job is not None and self.store is not None:
             threading.Thread(target=self._join_fleet, name="agent-fleet", daemon=True).start()
+        elif self.config.job is not None:  # no fleet to join: the domain goes with the shards, for the job's ledger
+            threading.Thread(target=self._read_domain, name="agent-domain", daemon=True).start()
 
     # --- interruption notices -------------------------------------------------------------
 

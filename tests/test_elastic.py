@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -225,6 +226,17 @@ def test_a_notice_on_one_node_of_three_shrinks_the_world_and_loses_no_step(memd,
     membership = json.loads((out / "membership.json").read_text())  # ckpt.membership, as rank 0 ended with it
     assert membership["nodes"] == ["127.0.0.1", "127.0.0.2"] and membership["generation"] > 0
     assert ("127.0.0.3", "left") in [(e["node"], e["change"]) for e in membership["history"]]
+    # The job's ledger (dashrun report): three stays, one ended by its notice; a shrink at a checkpoint redoes
+    # nothing; the noticed node's agent read its instance type and market from its metadata service.
+    ledger = subprocess.run([sys.executable, "-m", "dashrun", "report", job, "--memd", memd.address, "--token-file",
+                             str(memd.token_file), *memd.tls_args, "--json"], capture_output=True, text=True,
+                            timeout=60)
+    assert ledger.returncode == 0, ledger.stderr
+    body = json.loads(ledger.stdout)
+    assert body["steps_redone"] == 0 and body["preemptions"] == {"notice": 1, "killed": 0}
+    assert sorted((s["node"], s["why"]) for s in body["nodes"]) == [
+        ("127.0.0.1", "finished"), ("127.0.0.2", "finished"), ("127.0.0.3", "notice")]
+    assert body["largest_world"] == 3 and 0 < body["goodput"] <= 1
 
 
 def test_a_notice_on_every_node_ends_the_job_with_75_and_loses_no_step(memd, nodes, fakes, tmp_path):

@@ -125,6 +125,7 @@ LAYOUT = [
     ("dashrun.memd.store", ("dashrun.memd.fleet",), False),
     ("dashrun.agent", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd"), False),
     ("dashrun.launch", ("dashrun.memd", "dashrun.agent"), True),
+    ("dashrun.ledger", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent"), False),
     ("dashrun.wire", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent"), False),
     ("dashrun.util", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent",
                       "dashrun.wire"), False),

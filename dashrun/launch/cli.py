@@ -22,7 +22,7 @@ __all__ = ["COMMANDS", "main"]
 PROGRAM = "dashrun"
 #: The job commands of :mod:`dashrun.launch.commands`, named here so that a launch does not import them: their
 #: rich and click would cost every launch about 0.2 s before its ranks start.
-COMMANDS = frozenset({"resume", "status", "ls", "export", "gc", "rm"})
+COMMANDS = frozenset({"resume", "status", "ls", "export", "gc", "rm", "sim", "report"})
 #: The data cache's commands (dashrun.launch.data_commands), a group of their own: ``dashrun data stage ...``.
 DATA = "data"
 

@@ -31,7 +31,7 @@ from rich.table import Table
 
 from dashrun import env
 from dashrun.errors import NotFoundError, UsageError
-from dashrun.launch import dispatch
+from dashrun.launch import costs, dispatch
 from dashrun.launch.holdings_view import holdings_lines
 from dashrun.launch.jobstate import job_state, node_states, restarts, steps_per_second
 from dashrun.launch.status_view import age, job_notes, jobs_table, print_jobs, server_lines
@@ -472,3 +472,8 @@ def resume(job, job_id, dry_run, operator_pubkey, memd, token_file) -> None:
     console.print(escape(f"resuming {job_id} in {_shell_word(spec.cwd)}: {_command_line(spec.argv)}"))
     raise SystemExit(dispatch.launch(list(spec.argv), overrides))
 
+
+
+# The cost commands (sim, report) live in their own module, with this module's dash-memd options and link.
+for _command in costs.commands(memd_options, connect, _job_param):
+    cli.add_command(_command)

@@ -34,6 +34,8 @@ from dashrun.wire import blocks
 from dashrun.wire.auth import server_handshake
 from dashrun.wire.blocks import Marks
 from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.history import Restored
+from dashrun.wire.holdings import field_domain
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import (
     MAX_BODY,
@@ -199,6 +201,7 @@ class MemdServer:
         deadline = time.monotonic() + self.config.shutdown_timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.fleet.membership.flush()  # the run histories' last changes
         # tried for --shutdown-timeout: what is lost, by name
         for line in self.catalogue.disk_writer.unwritten_report():
             log.error("%s", line)
@@ -368,6 +371,8 @@ class MemdServer:
     def _put_shard(self, ch: Channel, frame: Frame) -> None:
         header = ShardHeader.from_body(frame.body)
         node = field_str(frame.body, "node", 255) if frame.body.get("node") is not None else None
+        restored = Restored.from_body(frame.body["restored"]) if frame.body.get("restored") is not None else None
+        domain = field_domain(frame.body)
         ticket = self.catalogue.receiver.begin_shard(header, cancel=lambda: _hang_up(ch))
         try:
             ch.send(Kind.OK, {"accept": True})
@@ -384,6 +389,10 @@ class MemdServer:
         if node is not None:  # a node is listed once a shard of it was taken, not for announcing one
             self.catalogue.node_seen(header.job, node)
         ch.send(Kind.OK, {"committed": committed, "crc": crc})
+        # After the reply: the run history's write (at most one a second) never delays the agent's shard.
+        self.fleet.membership.note_snapshot(header, restored)
+        if node is not None:
+            self.fleet.membership.note_domain(header.job, node, domain)
 
     def _latest(self, ch: Channel, frame: Frame) -> None:
         step = field_step(frame.body) if frame.body.get("step") is not None else None

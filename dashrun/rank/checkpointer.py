@@ -67,6 +67,7 @@ from dashrun.util.console import JsonFormatter
 from dashrun.util.problems import ProblemLog
 from dashrun.wire.agent_link import AgentLink
 from dashrun.wire.agent_messages import WaitReply, WaitRequest
+from dashrun.wire.history import Restored
 from dashrun.wire.protocol import Kind
 
 __all__ = ["Checkpointer"]
@@ -179,6 +180,9 @@ class Checkpointer:
         self.stats = SaveStats()
         #: The last restore's bytes of sharded state this rank needed and had read (``sharded_needed``/``_read``).
         self.restore_stats: dict[str, int] = {}
+        #: How this run began (the step restored, -1 for none, and how long it took): reported with each snapshot,
+        #: from which dash-memd's run history counts the steps redone after a rollback.
+        self._restored: Restored | None = None
         self.preempted = False
         #: The job's world may change under dashrun (``--nnodes MIN:MAX`` with ``--memd``): when another node goes
         #: away or joins, this rank checkpoints and is started again at the new world size.
@@ -305,6 +309,7 @@ class Checkpointer:
         except BaseException:
             self._stager.unreserve(buffer_index)  # for the next save(): this one failed before anything was staged
             raise
+        snapshot.restored = self._restored
         self._current = snapshot
         self._last_step = step
         self.stats.snapshots += 1
@@ -404,10 +409,12 @@ class Checkpointer:
         """
         if not self.enabled:
             return 0
+        began, at = time.monotonic(), time.time()
         info = restore_state(self._link, job_id=self.job_id, rank=self.rank, world=self.world,
                              local_world=self.local_world, objects=self.objects, per_rank=self.per_rank,
                              owners=self._owners, stats=self.restore_stats,
                              on_wait=lambda message: self._problem("restore", message), local_rank=self.local_rank)
+        self._restored = Restored(-1 if info is None else info.step, time.monotonic() - began, at)
         if info is None:
             return 0
         self._last_step = self._restored_step = info.step

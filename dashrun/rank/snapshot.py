@@ -37,6 +37,7 @@ import torch
 
 from dashrun.rank import sharded, statetree
 from dashrun.util.files import unmap
+from dashrun.wire.history import Restored
 from dashrun.wire.messages import ShardHeader
 
 __all__ = ["BUFFERS", "SaveStats", "SharedBuffer", "Snapshot", "buffers_per_rank", "capture", "capture_rng",
@@ -105,6 +106,7 @@ class Snapshot:
     handed: threading.Event = dataclasses.field(default_factory=threading.Event)  # result is set (or failed)
     awaited: bool = False  # the optimizer hook has waited for the copy
     emergency: bool = False  # taken because of an interruption notice
+    restored: Restored | None = None  # how this rank's run began (its restore), reported with the snapshot
     gpu_ready: Any = None  # CUDA event: the optimizer step that produced this state is done
     gpu_done: Any = None   # CUDA event the compute stream waits on before the next optimizer.step()
     result: concurrent.futures.Future | None = None

@@ -257,7 +257,8 @@ class Stager:
         # The rank checksums as it copies (on CPU, with dashrun's C helper); otherwise the agent does.
         checksum = staging.streaming and snapshot.gpu_done is None
         request = SnapshotRequest(snapshot.header, ready=0, emergency=snapshot.emergency, checksum=checksum,
-                                  skipped=self.stats.skipped, stall_s=round(self.stats.stall_s, 6))
+                                  skipped=self.stats.skipped, stall_s=round(self.stats.stall_s, 6),
+                                  restored=snapshot.restored)
         lent, locked = lend(snapshot.buffer.fd)
         try:
             snapshot.result = self.link.request(Kind.SNAPSHOT, request.to_body(),

@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from dashrun.errors import ProtocolError
+from dashrun.wire.history import Restored
 from dashrun.wire.holdings import Holder, field_node, holders_from_body, holders_to_body
 from dashrun.wire.messages import CheckpointInfo, ShardHeader
 from dashrun.wire.protocol import (
@@ -58,6 +59,8 @@ class SnapshotRequest:
     ``skipped`` and ``stall_s``: the rank's snapshots skipped and seconds its
     training was blocked by saves, since it started (for dash-agent's metrics;
     sent only once non-zero, so older agents see the body they knew).
+    ``restored``: how the rank's run began (the job's run history counts the
+    steps redone from it: :mod:`dashrun.wire.history`).
     """
 
     shard: ShardHeader
@@ -66,6 +69,7 @@ class SnapshotRequest:
     checksum: bool = False
     skipped: int = 0
     stall_s: float = 0.0
+    restored: Restored | None = None
 
     def to_body(self) -> dict[str, Any]:
         body = {"shard": self.shard.to_body(), "ready": self.ready, "emergency": self.emergency,
@@ -74,6 +78,8 @@ class SnapshotRequest:
             body["skipped"] = self.skipped
         if self.stall_s:
             body["stall_s"] = self.stall_s
+        if self.restored is not None:
+            body["restored"] = self.restored.to_body()
         return body
 
     @classmethod
@@ -86,7 +92,8 @@ class SnapshotRequest:
                    emergency=field_bool(body, "emergency", default=False),
                    checksum=field_bool(body, "checksum", default=False),
                    skipped=field_int(body, "skipped", 0, MAX_STEP, default=0),
-                   stall_s=field_float(body, "stall_s", 0.0, MAX_STALL, default=0.0))
+                   stall_s=field_float(body, "stall_s", 0.0, MAX_STALL, default=0.0),
+                   restored=None if body.get("restored") is None else Restored.from_body(body["restored"]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolErro
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.history import Restored, RunHistory
 from dashrun.wire.holdings import MAX_MEMBERS, Announced, Holdings, Located, Member, NodeView, holders_from_body
 from dashrun.wire.link import Link
 from dashrun.wire.messages import (
@@ -28,6 +29,7 @@ from dashrun.wire.messages import (
     MAX_STORE_VALUE,
     MAX_STORE_WAIT,
     CheckpointInfo,
+    FailureDomain,
     JobSpec,
     MembershipEvent,
     Notice,
@@ -69,14 +71,22 @@ class MemdClient(Link):
 
     def put_shard(self, header: ShardHeader, parts: Sequence[memoryview | bytes], *,
                   gate: Callable[[int], None] | None = None, node: str | None = None,
-                  crc: Callable[[], int] | None = None) -> dict[str, Any]:
+                  crc: Callable[[], int] | None = None, restored: Restored | None = None,
+                  domain: FailureDomain | None = None) -> dict[str, Any]:
         """Send a shard's bytes (``parts``, in order); returns {committed, crc} once dash-memd stored them.
+        ``restored``: how the rank's run began, and ``domain``, the sending node's failure domain, for the job's
+        run history (:mod:`dashrun.wire.history`).
 
         ``gate`` lets the bytes stream while they are still being staged; ``crc``, the sender's checksum
         of them, known once they are (see Channel.send).
         """
         def run(ch: Channel):
-            ch.call(Kind.PUT_SHARD, {**header.to_body(), "node": node})
+            body = {**header.to_body(), "node": node}
+            if restored is not None:
+                body["restored"] = restored.to_body()
+            if domain is not None and domain.known:
+                body["domain"] = domain.to_body()
+            ch.call(Kind.PUT_SHARD, body)
             ch.send(Kind.SHARD_DATA, {}, data=parts, gate=gate, crc=crc)
             return ch.expect_reply().body
         return self._request(run)
@@ -329,6 +339,16 @@ class MemdClient(Link):
         if not isinstance(held, list) or len(held) > MAX_MEMBERS:
             raise ProtocolError("malformed MEMBERSHIP reply: its holdings")
         return [MembershipEvent.from_body(event) for event in raw], live, [NodeView.from_body(n) for n in held]
+
+    def run_history(self, job: str) -> tuple[list[MembershipEvent], RunHistory | None]:
+        """The job's membership events and its run history (None: dash-memd keeps none of it)."""
+        body = self._request(lambda ch: ch.call(Kind.MEMBERSHIP, {"job": job}).body)
+        raw = body.get("events")
+        if not isinstance(raw, list):
+            raise ProtocolError("malformed MEMBERSHIP reply")
+        history = body.get("history")
+        return ([MembershipEvent.from_body(event) for event in raw],
+                None if history is None else RunHistory.from_body(history))
 
     # --- the job's key/value store ---------------------------------------------------------------
 

@@ -17,6 +17,14 @@ every change (changes are rare: one per world change or launch), so a restarted
 dash-memd has them; ``dashrun rm`` removes them with the job's launch spec and
 notices.
 
+Beside the events, the record holds the job's run history
+(:class:`~dashrun.wire.history.RunHistory`: its snapshots' steps, the steps
+redone, the restores, each node's failure domain), which ``dashrun report``
+reads. It changes with every checkpoint, so it is written at most every
+:data:`HISTORY_SAVE_PERIOD` seconds, with any event, and at stop
+(:meth:`Membership.flush`): a dash-memd killed outright loses at most that
+last second of it.
+
 Files are written outside the lock that guards the records (one write at a
 time, each of the records as they are then), so a check of a shard, which the
 catalogue makes under its own lock, never waits for a disk.
@@ -34,16 +42,16 @@ import collections
 import json
 import logging
 import threading
+import time
 from pathlib import Path
-from typing import Iterable
-
 from dashrun.errors import ConflictError, NoSpaceError, ProtocolError
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.files import write_atomic
-from dashrun.wire.messages import MembershipEvent, ShardHeader
+from dashrun.wire.history import Restored, RunHistory
+from dashrun.wire.messages import FailureDomain, MembershipEvent, ShardHeader
 from dashrun.wire.protocol import MAX_STEP, field_int, valid_job_id
 
-__all__ = ["MAX_EVENTS", "MAX_MEMBERSHIP_JOBS", "MEMBERSHIP", "Membership"]
+__all__ = ["HISTORY_SAVE_PERIOD", "MAX_EVENTS", "MAX_MEMBERSHIP_JOBS", "MEMBERSHIP", "Membership"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,8 @@ MEMBERSHIP = "membership"
 MAX_EVENTS = 1000
 #: Jobs with a generation or a membership history at once.
 MAX_MEMBERSHIP_JOBS = 1024
+#: Seconds between writes of a job's record for its run history alone.
+HISTORY_SAVE_PERIOD = 1.0
 #: Largest file read back (1000 events of the longest fields, JSON-escaped, stay below it).
 _MAX_FILE = 16 << 20
 
@@ -61,6 +71,9 @@ class _Job:
     def __init__(self) -> None:
         self.generation = 0
         self.events: collections.deque[MembershipEvent] = collections.deque(maxlen=MAX_EVENTS)
+        self.history = RunHistory()
+        self.saved_at = 0.0  # monotonic
+        self.dirty = False   # the history changed since the record was written
 
 
 class Membership:
@@ -93,6 +106,11 @@ class Membership:
                     record = _Job()
                     record.generation = field_int(raw, "generation", 0, MAX_STEP)
                     record.events.extend(MembershipEvent.from_body(e) for e in raw["events"][-MAX_EVENTS:])
+                    if raw.get("history") is not None:
+                        try:
+                            record.history = RunHistory.from_body(raw["history"])
+                        except ProtocolError as e:  # the events and the fence stand without it
+                            log.warning("membership: the run history in %s is ignored: %s", path, e)
                 except (OSError, ValueError, ProtocolError) as e:
                     log.warning("membership: ignored %s: %s", path, e)
                     continue
@@ -117,7 +135,7 @@ class Membership:
                 if generation <= current:
                     return current
                 record = record or self._add(job)  # generation 0, no events: reads as no record
-                body = _body(generation, record.events)
+                body = _body(generation, record)
             try:
                 self._write(job, body)
             except OSError:
@@ -164,6 +182,46 @@ class Membership:
             record = self._jobs.get(job)
             return list(record.events) if record else []
 
+    def note_snapshot(self, header: ShardHeader, restored: Restored | None) -> None:
+        """Count a snapshot a rank reported in the job's run history (:class:`RunHistory`); on disk within
+        :data:`HISTORY_SAVE_PERIOD`. Only a job launched by dashrun keeps one (its launch recorded it joined):
+        shards from other clients (dashrun.dcp.Writer, a script of the operator's) leave no record."""
+        with self._lock:
+            record = self._jobs.get(header.job)
+            if record is None:
+                return
+            if not record.history.note_snapshot(header, restored, time.time()):
+                return
+            record.dirty = True
+            due = time.monotonic() - record.saved_at >= HISTORY_SAVE_PERIOD
+        if due:  # not fsynced: a dash-memd that dies keeps it (the kernel has it), a machine that dies loses a second
+            self._save(header.job, durable=False)
+
+    def note_domain(self, job: str, node: str, domain: FailureDomain | None) -> None:
+        """Keep the failure domain ``node`` of ``job`` announced (its instance type, zone, market) in the job's
+        run history, where it has a membership record."""
+        with self._lock:
+            record = self._jobs.get(job)
+            if record is None or not record.history.note_domain(node, domain):
+                return
+        self._save(job)
+
+    def run_history(self, job: str) -> dict | None:
+        """``job``'s run history as the MEMBERSHIP reply sends it; None where it has no record."""
+        with self._lock:
+            record = self._jobs.get(job)
+            return record.history.to_body() if record else None
+
+    def flush(self) -> None:
+        """Write every record whose run history changed since it was written (at stop)."""
+        with self._lock:
+            dirty = [job for job, record in self._jobs.items() if record.dirty]
+        for job in dirty:
+            try:
+                self._save(job)
+            except OSError as e:
+                log.warning("%s: run history not written: %s", job, e)
+
     def delete_job(self, job: str) -> None:
         """Forget ``job``'s generation and history (``dashrun rm``)."""
         with self._lock:
@@ -180,23 +238,31 @@ class Membership:
         record = self._jobs[job] = _Job()
         return record
 
-    def _save(self, job: str) -> None:
+    def _save(self, job: str, durable: bool = True) -> None:
         """Write ``job``'s record as it is now (remove its file if it has none); OSError if that fails."""
         with self._write_lock:
             with self._lock:
                 record = self._jobs.get(job)
-                body = None if record is None else _body(record.generation, record.events)
-            self._write(job, body)
+                body = None if record is None else _body(record.generation, record)
+                if record is not None:
+                    record.saved_at, record.dirty = time.monotonic(), False
+            try:
+                self._write(job, body, durable)
+            except OSError:
+                if record is not None:
+                    record.dirty = True
+                raise
 
-    def _write(self, job: str, body: dict | None) -> None:
+    def _write(self, job: str, body: dict | None, durable: bool = True) -> None:
         """Replace ``job``'s file with ``body``, or remove it (None); the write lock held."""
         path = self.root / f"{job}.json"
         if body is None:
             path.unlink(missing_ok=True)
         else:
             self.root.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(body, separators=(",", ":")))
+            write_atomic(path, json.dumps(body, separators=(",", ":")), durable=durable)
 
 
-def _body(generation: int, events: Iterable[MembershipEvent]) -> dict:
-    return {"generation": generation, "events": [e.to_body() for e in events]}
+def _body(generation: int, record: _Job) -> dict:
+    return {"generation": generation, "events": [e.to_body() for e in record.events],
+            "history": record.history.to_body()}

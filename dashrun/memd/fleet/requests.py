@@ -154,11 +154,13 @@ class FleetRequests:
             events.append(encoded)
         ch.send(Kind.OK, {"events": events[::-1], "omitted": len(history) - len(events),
                           "generation": self.membership.generation(job), "live": self.live_members(job),
+                          "history": self.membership.run_history(job),
                           "holdings": _first_that_fit(self.holdings.view(job), MAX_HOLDINGS_REPLY)})
 
     def _holdings(self, ch: Channel, frame: Frame) -> None:
         holdings = Holdings.from_body(frame.body)
         members = self.holdings.announce(holdings)
+        self.membership.note_domain(holdings.job, holdings.node, holdings.domain)
         try:
             newest = self.locate(holdings.job, None)["checkpoint"]
         except UnavailableError:  # the bucket is not listed yet: the agent hears of the commit next time

@@ -34,8 +34,6 @@ from dashrun.wire import blocks
 from dashrun.wire.auth import server_handshake
 from dashrun.wire.blocks import Marks
 from dashrun.wire.channel import Channel, Frame
-from dashrun.wire.history import Restored
-from dashrun.wire.holdings import field_domain
 from dashrun.wire.messages import JobSpec, Notice, ShardHeader
 from dashrun.wire.protocol import (
     MAX_BODY,
@@ -93,12 +91,8 @@ class MemdServer:
         self._clients_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._handlers: dict[Kind, Callable[[Channel, Frame], None]] = {
-            Kind.PUT_SHARD: self._put_shard,
-            Kind.LATEST: self._latest,
-            Kind.GET_SHARD: self._get_shard,
-            Kind.WAIT: self._wait,
-            Kind.LIST: self._list,
-            Kind.PING: self._ping,
+            Kind.PUT_SHARD: self._put_shard, Kind.LATEST: self._latest, Kind.GET_SHARD: self._get_shard,
+            Kind.WAIT: self._wait, Kind.LIST: self._list, Kind.PING: self._ping,
             Kind.PUT_SPEC: self._put_spec,
             Kind.GET_SPEC: self._get_spec,
             Kind.DELETE: self._delete,
@@ -371,8 +365,6 @@ class MemdServer:
     def _put_shard(self, ch: Channel, frame: Frame) -> None:
         header = ShardHeader.from_body(frame.body)
         node = field_str(frame.body, "node", 255) if frame.body.get("node") is not None else None
-        restored = Restored.from_body(frame.body["restored"]) if frame.body.get("restored") is not None else None
-        domain = field_domain(frame.body)
         ticket = self.catalogue.receiver.begin_shard(header, cancel=lambda: _hang_up(ch))
         try:
             ch.send(Kind.OK, {"accept": True})
@@ -390,9 +382,7 @@ class MemdServer:
             self.catalogue.node_seen(header.job, node)
         ch.send(Kind.OK, {"committed": committed, "crc": crc})
         # After the reply: the run history's write (at most one a second) never delays the agent's shard.
-        self.fleet.membership.note_snapshot(header, restored)
-        if node is not None:
-            self.fleet.membership.note_domain(header.job, node, domain)
+        self.fleet.shard_stored(header, frame.body, node)
 
     def _latest(self, ch: Channel, frame: Frame) -> None:
         step = field_step(frame.body) if frame.body.get("step") is not None else None

@@ -26,8 +26,10 @@ from dashrun.memd.fleet.kvstore import KeyValueStore
 from dashrun.memd.fleet.membership import MEMBERSHIP, Membership
 from dashrun.memd.fleet.rendezvous import RENDEZVOUS, RendezvousStates
 from dashrun.wire.channel import Channel, Frame
-from dashrun.wire.holdings import Holdings, holders_to_body
-from dashrun.wire.messages import MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, CheckpointInfo, MembershipEvent
+from dashrun.wire.history import Restored
+from dashrun.wire.holdings import Holdings, field_domain, holders_to_body
+from dashrun.wire.messages import (MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, CheckpointInfo, MembershipEvent,
+                                   ShardHeader)
 from dashrun.wire.protocol import (
     MAX_BODY,
     MAX_STEP,
@@ -60,6 +62,15 @@ class FleetRequests:
         #: The catalogue's newest committed checkpoint of a job (or of a step), which the server sets: a LATEST
         #: answer is the newer of it and the fleet's (:meth:`locate`).
         self.catalogued: Callable[[str, int | None], CheckpointInfo | None] = lambda job, step=None: None
+
+    def shard_stored(self, header: ShardHeader, body: dict, node: str | None) -> None:
+        """A shard of a PUT_SHARD ``body`` (from ``node``, where said) is stored: the job's run history notes the
+        snapshot, how its rank's run began, and the node's failure domain."""
+        restored = Restored.from_body(body["restored"]) if body.get("restored") is not None else None
+        domain = field_domain(body)
+        self.membership.note_snapshot(header, restored)
+        if node is not None:
+            self.membership.note_domain(header.job, node, domain)
 
     def load(self) -> None:
         """Read what an earlier dash-memd left in the data dir (which the caller holds locked)."""

@@ -55,6 +55,10 @@ def test_a_scancel_term_checkpoints_requeues_and_resumes_with_no_step_lost(clust
     wait_for(lambda: preempted_at(out), 120, "the emergency checkpoint")
     step = preempted_at(out)[0]
     assert preempted_at(out, 1) == [step]
+    # Slurm holds a requeued job back for a while (its begin time, about two minutes on): let it go now.
+    wait_for(lambda: cluster.job(job).get("Restarts") == "1" and cluster.job(job).get("JobState") == "PENDING", 120,
+             "the job to be requeued")
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 300,
              f"the requeued job to finish (see {output})")
     text = output.read_text()

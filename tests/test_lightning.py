@@ -1,20 +1,17 @@
 """DashrunCheckpoint with the real Lightning Trainer: two CPU ranks (DDP over gloo) under dashrun, dash-memd.
 
-A run SIGKILLed whole (launcher, ranks, dash-agent) and relaunched with the same command resumes from the
-newest committed step; a cloud notice mid-epoch stops it at a step whose checkpoint is committed, and the
-relaunch goes on at the very next one. Either way every loss from the resume point on is the uninterrupted
-run's, bit for bit (the data comes from torchdata's StatefulDataLoader, whose position the fit loop's state holds).
+One job, three runs: a cloud notice mid-epoch (the fake metadata service) stops the first at a step committed on
+every rank, and its relaunch goes on at the very next step; that run is SIGKILLed whole (launcher, ranks,
+dash-agent) and the same command again resumes from the newest committed step. Every run logs the uninterrupted
+run's loss at each of its steps, bit for bit (the data comes from torchdata's StatefulDataLoader, whose position
+the fit loop's state holds), and Lightning's ModelCheckpoint keeps saving beside the callback.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, dashrun_cmd, kill_tree, load_fake_metadata, wait_for
-from integrations import assert_resumed_as_uninterrupted, last_step, preempted_at, runs, starts
+from conftest import REPO, load_fake_metadata
+from integrations import assert_resumed_as_uninterrupted, notice_kill_and_resume, reference_run, runs
 
 pytest.importorskip("lightning", reason="the Lightning integration's extra is not installed: pip install 'dashrun[lightning]'")
 pytest.importorskip("torchdata", reason="torchdata (in the test extra) is not installed")
@@ -23,74 +20,15 @@ pytestmark = pytest.mark.slow
 
 PROGRAM = REPO / "tests" / "bin" / "lightning_train.py"
 STEPS_PER_EPOCH = 8  # 64 samples, 4 a batch, 2 ranks
-PREEMPTED = 75
-# One thread a rank, as torchrun sets for more than one rank: the reference and dashrun's runs compute alike.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted run under plain torchrun (the callback is off: no dashrun in the launch)."""
-    out = tmp_path_factory.mktemp("lightning-reference")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(PROGRAM),
-                             "--out", str(out)], capture_output=True, text=True, timeout=300, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert max(runs(out)[0]) == 3 * STEPS_PER_EPOCH - 1
-    return out
-
-
-def launch(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    finally:
-        kill_tree(proc)
-    return proc.returncode, stderr
-
-
-def test_a_run_killed_whole_resumes_from_the_newest_committed_step(memd, tmp_path, reference):
-    out = tmp_path / "out"
-    cmd = dashrun_cmd(memd, "--cloud", "none", str(PROGRAM), "--out", str(out), "--every", "5", "--delay", "0.1",
-                      job="lightning-kill")
-    proc = launch(cmd)
-    try:
-        wait_for(lambda: last_step(out) >= 12 or proc.poll() is not None, 240, "Lightning to train 12 steps")
-    finally:
-        kill_tree(proc)  # SIGKILL: the launcher, its ranks and dash-agent, with no time to save anything
-    with memd.client() as client:
-        newest = client.latest("lightning-kill").step
-    assert newest >= 9 and (newest + 1) % 5 == 0
-
-    code, stderr = finish(launch(cmd))
-    assert code == 0, stderr[-3000:]
-    assert starts(out) == [0, newest + 1] == starts(out, 1)
-    assert_resumed_as_uninterrupted(reference, out)
-    assert (out / "lightning" / "last.ckpt").exists()  # Lightning's ModelCheckpoint kept saving beside it
-
-
-def test_a_notice_mid_epoch_loses_no_step(memd, tmp_path, reference):
+def test_a_notice_mid_epoch_and_a_kill_both_resume_as_an_uninterrupted_fit(memd, tmp_path):
+    reference = reference_run(PROGRAM, tmp_path / "reference")
+    assert max(runs(reference)[0]) == 3 * STEPS_PER_EPOCH - 1
     fake = load_fake_metadata().FakeMetadata("aws").start()
-    out, job = tmp_path / "out", "lightning-notice"
     try:
-        proc = launch(dashrun_cmd(memd, "--cloud", "aws", "--metadata-endpoint", fake.url, "--poll-interval", "0.2",
-                                  str(PROGRAM), "--out", str(out), "--every", "1000", "--delay", "0.1", job=job))
-        wait_for(lambda: last_step(out) >= STEPS_PER_EPOCH + 2 or proc.poll() is not None, 240,
-                 "Lightning to train into its second epoch")
-        fake.notice()
-        code, stderr = finish(proc)
+        notice_kill_and_resume(memd, PROGRAM, tmp_path / "out", "lightning", fake, STEPS_PER_EPOCH)
     finally:
         fake.stop()
-    assert code == PREEMPTED, stderr[-3000:]
-    step = preempted_at(out)[0]
-    assert preempted_at(out, 1) == [step] and step % STEPS_PER_EPOCH not in (0, STEPS_PER_EPOCH - 1)  # mid-epoch
-    with memd.client() as client:
-        assert client.latest(job).step == step
-
-    code, stderr = finish(launch(dashrun_cmd(memd, "--cloud", "none", str(PROGRAM), "--out", str(out), "--every",
-                                             "1000", job=job)))
-    assert code == 0, stderr[-3000:]
-    assert starts(out) == [0, step + 1] == starts(out, 1)  # zero steps lost
-    assert_resumed_as_uninterrupted(reference, out)
+    assert_resumed_as_uninterrupted(reference, tmp_path / "out")
+    assert (tmp_path / "out" / "lightning" / "last.ckpt").exists()  # Lightning's ModelCheckpoint, beside it

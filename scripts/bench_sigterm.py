@@ -37,7 +37,8 @@ def _steps(log: Path) -> int:
         return 0
 
 
-def one_round(memd: Memd, out: Path, job: str, width: int) -> tuple[float, float, int]:
+def one_round(memd: Memd, out: Path, job: str, width: int) -> tuple[float, float]:
+    """(seconds from SIGTERM to the emergency checkpoint committed, to dashrun's exit 75)."""
     cmd = dashrun_cmd(memd, "--cloud", "none", str(TRAIN), "--steps", "100000", "--interval", "100000",
                       "--width", str(width), "--out", str(out), job=job)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env())
@@ -53,7 +54,7 @@ def one_round(memd: Memd, out: Path, job: str, width: int) -> tuple[float, float
         raise SystemExit(f"dashrun exited {proc.returncode}, not 75:\n{stderr[-2000:]}")
     with memd.client() as client:
         info = client.latest(job)
-    return info.committed_at - signalled, exited - signalled, info.nbytes if hasattr(info, "nbytes") else 0
+    return info.committed_at - signalled, exited - signalled
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
         try:
             committed, exited = [], []
             for i in range(args.rounds):
-                c, e, _ = one_round(memd, tmp_path / f"out-{i}", f"sigterm-{i}", args.width)
+                c, e = one_round(memd, tmp_path / f"out-{i}", f"sigterm-{i}", args.width)
                 committed.append(c)
                 exited.append(e)
                 print(f"round {i}: committed {c:.2f} s, exit 75 {e:.2f} s after SIGTERM")

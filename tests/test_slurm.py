@@ -36,7 +36,7 @@ def cluster(short_tmp):
         started.stop()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(660)
 def test_a_scancel_term_checkpoints_requeues_and_resumes_with_no_step_lost(cluster, memd, tmp_path, reference):
     out = tmp_path / "out"
     env = cluster.env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DASH_MEMD=memd.address,
@@ -56,20 +56,15 @@ def test_a_scancel_term_checkpoints_requeues_and_resumes_with_no_step_lost(clust
     wait_for(lambda: preempted_at(out) and preempted_at(out, 1), 120, "the emergency checkpoint on both ranks")
     step = preempted_at(out)[0]
     assert preempted_at(out, 1) == [step]
-    # Slurm holds a requeued job back for a while (its begin time, about two minutes on): let it go now.
-    wait_for(lambda: cluster.job(job).get("Restarts") == "1" and cluster.job(job).get("JobState") == "PENDING", 120,
-             "the job to be requeued")
-
-    def finished() -> bool:
-        fields = cluster.job(job)
-        if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
-            cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
-        return fields.get("JobState") == "COMPLETED"
-
+    # Slurm holds a requeued job back for about two minutes (its begin time). Released sooner (scontrol update
+    # StartTime=now), its second run failed at once on this machine every other time: it is left to Slurm.
+    wait_for(lambda: cluster.job(job).get("Restarts") == "1", 120, "the job to be requeued")
     try:
-        wait_for(finished, 300, f"the requeued job to finish (see {output})")
+        wait_for(lambda: cluster.job(job).get("JobState") in ("COMPLETED", "FAILED"), 420,
+                 f"the requeued job to finish (see {output})")
     except AssertionError as e:
         raise AssertionError(f"{e}: job {cluster.job(job)}, node {cluster.node_state()}") from None
+    assert cluster.job(job).get("JobState") == "COMPLETED", output.read_text()[-3000:]
     text = output.read_text()
     assert "dashrun exited 75 (restart 0)" in text and "dashrun exited 0 (restart 1)" in text, text[-3000:]
     assert cluster.job(job).get("Restarts") == "1"

@@ -69,11 +69,11 @@ def last_step(out: Path, rank: int = 0) -> int:
     return max((int(line.split()[0]) for line in lines if line and line[0].isdigit()), default=-1)
 
 
-def reference_run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def reference_run(cmd: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """A reference run under plain torchrun (checkpointing off: none of dashrun's code runs), tried once more if a
     rank aborted in torch's own teardown ("terminate called without an active exception", SIGABRT at exit: seen
     once in the suite's many such runs, never reproduced in a loop)."""
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return result

@@ -529,3 +529,27 @@ def test_a_rank_of_an_older_world_generation_cannot_commit(stack, rank_env, monk
     ckpt.close()
     with memd.client() as client:
         assert client.latest("fenced").step == 1
+
+
+def test_take_sigterm_wins_sigterm_back_from_a_framework_s_handler_and_close_puts_the_script_s_back(stack, rank_env):
+    """Lightning's Trainer installs its own SIGTERM handler after the Checkpointer was made (DashrunCheckpoint
+    calls take_sigterm() in on_train_start): SIGTERM is the Checkpointer's notice again, the framework's handler
+    not chained, and close() gives back the handler the script had before the Checkpointer."""
+    import signal
+
+    _, agent = stack
+    scripts, frameworks = [], []
+    before = signal.signal(signal.SIGTERM, lambda *a: scripts.append(a))
+    try:
+        model = torch.nn.Linear(2, 2)
+        ckpt = rank_env(agent, "take-sigterm", 0, 1, model=model)
+        signal.signal(signal.SIGTERM, lambda *a: frameworks.append(a))  # the framework's, installed after
+        ckpt.take_sigterm()
+        signal.raise_signal(signal.SIGTERM)
+        # a notice for the next save(); the script's handler chained, the framework's not
+        assert ckpt._notices.signalled_at is not None and len(scripts) == 1 and not frameworks
+        ckpt.close()
+        signal.raise_signal(signal.SIGTERM)  # the script's own handler again, alone
+        assert len(scripts) == 2 and not frameworks
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -130,6 +130,7 @@ LAYOUT = [
     ("dashrun.util", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent",
                       "dashrun.wire"), False),
     ("dashrun.data", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent"), True),
+    ("dashrun.integrations", ("dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent"), True),
     ("dashrun.errors", ("dashrun",), False),
     ("dashrun.env", ("dashrun.rank", "dashrun.dcp", "dashrun.launch", "dashrun.memd", "dashrun.agent",
                      "dashrun.wire"), False),
@@ -239,6 +240,20 @@ def test_dashrun_package_import_is_lazy_about_the_checkpointer():
             "print(before, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False True"
+
+
+def test_no_command_and_no_import_of_dashrun_loads_a_training_framework():
+    """Lightning and transformers are optional extras: only their own adapters in dashrun.integrations import them."""
+    code = ("import sys, dashrun, dashrun.integrations, dashrun.launch.cli, dashrun.launch.launcher, "
+            "dashrun.rank.checkpointer; dashrun.Checkpointer; dashrun.ElasticSampler; "
+            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    frameworks = {"dashrun.integrations.lightning": "lightning", "dashrun.integrations.hf": "transformers"}
+    importers = {name: sorted({m.split(".")[0] for m, _, _ in _imports(name, path)} & {"lightning", "transformers"})
+                 for name, path in MODULES.items()}
+    assert {name: found for name, found in importers.items() if found} == {
+        name: [framework] for name, framework in frameworks.items() if name in MODULES}
 
 
 def test_dashrun_package_import_is_lazy_about_dcp():
@@ -390,8 +405,13 @@ print("ran without numpy")
     assert result.returncode == 0 and "ran without numpy" in result.stdout, result.stderr[-3000:]
 
 
+#: torch itself, and the frameworks that import it (dashrun.integrations' adapters import those).
+TORCH_FRAMEWORKS = ("torch", "lightning", "transformers", "accelerate")
+
+
 def test_only_the_packages_the_layout_names_import_torch():
-    """LAYOUT (and so docs/architecture.md): of the packages, only rank/, launch/, dcp/ and data/ import torch."""
+    """LAYOUT (and so docs/architecture.md): of the packages, only rank/, launch/, dcp/, data/ and integrations/
+    import torch."""
     importers = {name.split(".")[1] for name, path in MODULES.items() if name.count(".") >= 1
-                 and any(module == "torch" or module.startswith("torch.") for module, _, _ in _imports(name, path))}
-    assert importers == TORCH == {"rank", "launch", "dcp", "data"}
+                 and any(module.split(".")[0] in TORCH_FRAMEWORKS for module, _, _ in _imports(name, path))}
+    assert importers == TORCH == {"rank", "launch", "dcp", "data", "integrations"}

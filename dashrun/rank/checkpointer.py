@@ -246,6 +246,13 @@ class Checkpointer:
         signal.signal(signal.SIGTERM, on_sigterm)
         return on_sigterm, before
 
+    def take_sigterm(self) -> None:
+        """SIGTERM back to this Checkpointer, from a handler a framework installed after it was made (Lightning's
+        ``Trainer`` installs one that stops training at the next batch without a checkpoint). The framework's
+        handler is not chained; the one the script had before the Checkpointer still is. From the main thread."""
+        if self._sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm[0])
+
     # --- saving ----------------------------------------------------------------------
 
     def save(self, step: int, force: bool = False) -> bool:

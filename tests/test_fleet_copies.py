@@ -56,8 +56,9 @@ def test_replicas_are_placed_from_the_registry_and_restored_from_after_dash_memd
 
     model, opt, sched = trained_objects()
     save_world(rank_env, same_zone, JOB, 2, 6, model, opt, sched, [3, 4])
-    # n1's copies go to n3 (another zone and pool), not to n2 (its own domain)
-    wait_for(lambda: holdings(memd).get("n3", {}).get(6) == ["n1"], what="n3 to hold n1's step 6")
+    # n1's copies go to n3 (another zone and pool), not to n2 (its own domain); each node announces on its own
+    wait_for(lambda: holdings(memd).get("n3", {}).get(6) == ["n1"] and holdings(memd).get("n1", {}).get(6),
+             what="n3 to hold n1's step 6, and n1 its own")
     assert holdings(memd)["n1"] == {6: ["n1"]} and 6 not in holdings(memd)["n2"]
     with memd.client() as client:
         located = client.locate(JOB)

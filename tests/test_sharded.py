@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, dashrun_cmd, kill_tree, wait_for
-from runs import assert_identical, final_states, last_step, starts
+from runs import assert_identical, final_states, last_step, reference_run, starts
 
 pytestmark = pytest.mark.slow
 
@@ -110,8 +110,10 @@ FSDP_ARGS = ["--mode", "fsdp", "--steps", str(STEPS), "--interval", str(INTERVAL
 def fsdp_reference(tmp_path_factory) -> dict[int, dict]:
     """The uninterrupted FSDP2 run on 2 ranks under plain torchrun (the Checkpointer is off there)."""
     out = tmp_path_factory.mktemp("fsdp-reference")
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-         *FSDP_ARGS, "--out", str(out)])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+           *FSDP_ARGS, "--out", str(out)]
+    result = reference_run(cmd, timeout=240)  # tried again if torch's own teardown aborts a rank
+    assert result.returncode == 0, f"{' '.join(cmd[-12:])}: {result.stderr[-3000:]}"
     return final_states(out)
 
 

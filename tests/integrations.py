@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runs import preempted_at, starts
+
 from dashrun.testing.memd import Memd, dashrun_cmd
 from dashrun.testing.processes import kill_tree, wait_for
 
@@ -30,14 +32,6 @@ def runs(out: Path, rank: int = 0) -> list[dict[int, str]]:
             step, loss = line.split()
             found[-1][int(step)] = loss
     return found
-
-
-def starts(out: Path, rank: int = 0) -> list[int]:
-    return [int(m) for m in re.findall(r"^start (\d+)$", (out / f"rank{rank}.log").read_text(), re.M)]
-
-
-def preempted_at(out: Path, rank: int = 0) -> list[int]:
-    return [int(m) for m in re.findall(r"^preempted (\d+)$", (out / f"rank{rank}.log").read_text(), re.M)]
 
 
 def last_step(out: Path, rank: int = 0) -> int:

@@ -1,5 +1,6 @@
 """dash-memd's catalogue: commit only when whole, retention, eviction, pinning."""
 
+import dataclasses
 import os
 import threading
 
@@ -281,6 +282,27 @@ def test_a_new_attempt_at_a_step_that_never_committed_commits(cat):
     with cat.open_shard("j", 7, 0) as (view, _, _marks):
         assert bytes(view) == fresh[0]
     assert cat.ram.used == sum(len(b) for b in cat.ledger.committed["j"][7].buffers.values())
+
+
+def test_a_step_is_never_made_of_two_runs_shards(cat):
+    """A run that began fresh crashed after rank 0 sent step 9; the run that restored step 4 redoes it, rank 1
+    first: the crashed run's shard leaves the step, which commits with the redoing run's shards only, and a late
+    shard of the crashed run is refused."""
+    crashed = [dataclasses.replace(h, base=-1) for h in headers(step=9)]
+    redone = [dataclasses.replace(h, base=4) for h in headers(step=9)]
+    _, old = deliver(cat, crashed[0])
+    committed, _ = deliver(cat, redone[1])
+    assert not committed                 # rank 0 of the crashed run does not complete the redoing run's step
+    committed, new = deliver(cat, redone[0])
+    assert committed
+    with cat.open_shard("j", 9, 0) as (view, _, _marks):
+        assert bytes(view) == new != old
+    late = [dataclasses.replace(h, base=-1) for h in headers(step=10)]
+    deliver(cat, dataclasses.replace(headers(step=10)[0], base=4))
+    with pytest.raises(ConflictError, match="run that began at step -1, while a run that began at step 4"):
+        cat.receiver.begin_shard(late[1])
+    assert cat.ram.used == sum(len(b) for e in cat.ledger.committed["j"].values() for b in e.buffers.values()) + \
+        sum(len(b) for e in cat.ledger.receiving.values() for b in e.buffers.values())
 
 
 def test_a_receive_that_finds_no_room_leaves_no_empty_entry(tmp_path):

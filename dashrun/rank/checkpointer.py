@@ -424,7 +424,7 @@ class Checkpointer:
         self._restored = Restored(-1 if info is None else info.step, time.monotonic() - began, at)
         if info is None:
             return 0
-        self._last_step = self._restored_step = info.step
+        self._last_step = self._restored_step = self._stager.base = info.step
         if info.world != self.world and self.on_world_change is not None:
             self.on_world_change(info.world, self.world)
         return info.step + 1

@@ -107,6 +107,7 @@ class Stager:
         self.rank = rank
         self.world = world
         self.generation = generation  # the world's (dash-memd refuses shards of an older one); 0: not fenced
+        self.base = -1                # the step this run restored (a step's shards are all of one run); -1: fresh
         self.stats = stats
         self.problems = problems
         self._buffers: list[SharedBuffer | None] = [None, None]
@@ -229,7 +230,8 @@ class Stager:
         snapshot.header = ShardHeader(
             job=self.job_id, step=snapshot.step, rank=self.rank, world=self.world, rep_total=rep_total,
             rep_start=rep_start, rep_end=rep_end, private_len=priv_len, meta_len=len(meta),
-            layout=hashlib.sha256(rep_json).hexdigest(), generation=self.generation, pieces_len=pieces_len)
+            layout=hashlib.sha256(rep_json).hexdigest(), generation=self.generation, pieces_len=pieces_len,
+            base=self.base)
         with self._cond:
             snapshot.buffer = self._buffer(snapshot.buffer_index, snapshot.header.nbytes)
         snapshot.buffer.write(rep_len + priv_len, meta)

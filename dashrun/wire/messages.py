@@ -66,9 +66,10 @@ class ShardHeader:
     dash-memd refuses a shard of a generation older than the job's, so a
     node cut off from the others cannot commit into the new world.
 
-    ``pieces_len``: the last bytes of the private part hold the rank's pieces
-    of sharded state (DTensors), which a restore reads by byte range rather
-    than whole (see :mod:`dashrun.rank.sharded`).
+    ``base``: the step the rank's run restored (-1: fresh); a step holds one run's shards (``attempt``).
+
+    ``pieces_len``: the last bytes of the private part hold the rank's pieces of
+    sharded state (DTensors), read by byte range (:mod:`dashrun.rank.sharded`).
     """
 
     job: str
@@ -84,6 +85,11 @@ class ShardHeader:
     crc: int = 0  # CRC-32C of the shard's bytes; 0 until they are verified
     generation: int = 0
     pieces_len: int = 0  # the last bytes of the private part: the rank's pieces of sharded state
+    base: int = -1
+
+    @property
+    def attempt(self) -> tuple[int, int]:  # which sending of its step: a newer world, then a later-begun run, wins
+        return self.generation, self.base
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +118,7 @@ class ShardHeader:
             crc=field_int(body, "crc", 0, 0xFFFFFFFF, default=0),
             generation=field_int(body, "generation", 0, MAX_STEP, default=0),
             pieces_len=field_int(body, "pieces_len", 0, private_len, default=0),
+            base=field_int(body, "base", -1, MAX_STEP, default=-1),
         )
         if header.nbytes > MAX_BYTES:
             raise ProtocolError("shard too large")

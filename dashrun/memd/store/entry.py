@@ -62,7 +62,8 @@ class Entry:
     readers: int = 0
     #: rank -> the receive of its shard under way (a catalogue Ticket): a new copy of the shard replaces it
     arriving: dict[int, object] = dataclasses.field(default_factory=dict)
-    generation: int = 0      # the world generation of its shards: one for all, the newest that sent any
+    #: the (world generation, step restored) of the run its shards are from: one for all, the newest that sent any
+    attempt: tuple[int, int] = (0, -1)
     dropped: bool = False    # no longer in the catalogue; release buffers when unpinned
     touched: float = dataclasses.field(default_factory=time.monotonic)
     #: when its first shard was announced (monotonic): a commit's latency counts from here

@@ -13,6 +13,11 @@ without a word, whose receive would hold the step open until its idle
 timeout. A checkpoint holds shards of one world generation: a shard of a
 newer world takes the older world's shards out of the step (their nodes died
 or were cut off while they sent it), and one of an older world is refused.
+Within a world, it holds the shards of one run (``ShardHeader.base``, the step
+the run restored): a run that crashed after some of its ranks sent step N
+leaves them behind, and the run that redoes N began at a newer step; its
+shards take the crashed run's out, so that no checkpoint is made of two runs'
+states.
 """
 
 from __future__ import annotations
@@ -92,13 +97,11 @@ class Receiver:
                          header.job, header.step)
                 self.ledger.drop_receiving(entry)
                 entry = None
-            if entry is not None and header.generation < entry.generation:
-                raise ConflictError(f"{header.job} step {header.step}: a shard of world generation "
-                                    f"{header.generation}, while world {entry.generation} sends this step: this node "
-                                    "was cut off from the job", hint="its ranks restart in the job's new world")
+            if entry is not None and header.attempt < entry.attempt:
+                raise self._stale(header, entry)
             if entry is None:
                 entry = Entry(header.job, header.step, header.world, header.rep_total, header.layout,
-                              generation=header.generation)
+                              attempt=header.attempt)
                 self.ledger.receiving[key] = entry
                 log.info("%s step %d: receiving (%d ranks)", header.job, header.step, header.world)
             try:
@@ -112,13 +115,11 @@ class Receiver:
                                        "stays valid", hint="free space in dash-memd's --data-dir (or mend its "
                                        "disk): the writes are tried again") from None
                 raise e
-            if header.generation < entry.generation:  # a newer world came while the room was waited for
+            if header.attempt < entry.attempt:  # a newer world or run came while the room was waited for
                 self.ledger.ram.release(buffer)
-                raise ConflictError(f"{header.job} step {header.step}: world generation {entry.generation} sends "
-                                    f"this step now, not {header.generation}", hint="its ranks restart in the "
-                                    "job's new world")
-            if header.generation > entry.generation:
-                self._newer_world(entry, header.generation)
+                raise self._stale(header, entry)
+            if header.attempt > entry.attempt:
+                self._newer_attempt(entry, header.attempt)
             stalled = entry.arriving.get(header.rank)
             if stalled is not None:  # its first copy still arrives, maybe over a link that died: this one wins
                 log.info("%s step %d: a new copy of rank %d's shard replaces the one still arriving", header.job,
@@ -138,20 +139,36 @@ class Receiver:
         if ticket.cancel is not None:
             ticket.cancel()
 
-    def _newer_world(self, entry: Entry, generation: int) -> None:
-        """With the lock held: a shard of world ``generation`` arrives for ``entry``, which holds shards of an
-        older world (whose nodes died or were cut off while they sent it): those leave it, so that a committed
-        checkpoint's shards are all of one world, and the newer world's shards are kept."""
-        stale = sorted(r for r, shard in entry.shards.items() if shard.generation < generation)
-        log.info("%s step %d: world generation %d sends it; the shards of world %d (ranks %s) leave it", entry.job,
-                 entry.step, generation, entry.generation, ", ".join(map(str, stale)) or "none yet")
+    @staticmethod
+    def _stale(header: ShardHeader, entry: Entry) -> ConflictError:
+        """The refusal of a shard of an older sending of its step than ``entry``'s."""
+        if header.generation < entry.attempt[0]:
+            return ConflictError(f"{header.job} step {header.step}: a shard of world generation {header.generation}, "
+                                 f"while world {entry.attempt[0]} sends this step: this node was cut off from the "
+                                 "job", hint="its ranks restart in the job's new world")
+        return ConflictError(f"{header.job} step {header.step}: a shard of a run that began at step {header.base}, "
+                             f"while a run that began at step {entry.attempt[1]} sends this step",
+                             hint="a rank of a crashed run sent it late; the newer run's checkpoint stays")
+
+    @staticmethod
+    def _sending(attempt: tuple[int, int]) -> str:
+        generation, base = attempt
+        return f"world {generation}, run from step {base}" if base >= 0 else f"world {generation}, fresh run"
+
+    def _newer_attempt(self, entry: Entry, attempt: tuple[int, int]) -> None:
+        """With the lock held: a shard of a newer sending of ``entry``'s step arrives — a newer world, or a run that
+        began at a newer step (the ranks of the older died, were cut off, or crashed while they sent it): the
+        older one's shards leave it, so that a committed checkpoint's shards are all of one world and one run."""
+        stale = sorted(r for r, shard in entry.shards.items() if shard.attempt < attempt)
+        log.info("%s step %d: %s sends it; the shards of %s (ranks %s) leave it", entry.job, entry.step,
+                 self._sending(attempt), self._sending(entry.attempt), ", ".join(map(str, stale)) or "none yet")
         for rank in stale:
             del entry.shards[rank]
             entry.marks.pop(rank, None)
             self.ledger.ram.release(entry.buffers.pop(rank))
-        for ticket in [t for t in entry.arriving.values() if t.header.generation < generation]:
-            self._replace(ticket, f"world generation {generation} sends this step now")
-        entry.generation = generation
+        for ticket in [t for t in entry.arriving.values() if t.header.attempt < attempt]:
+            self._replace(ticket, f"{self._sending(attempt)} sends this step now")
+        entry.attempt = attempt
 
     def _drop_if_empty(self, entry: Entry) -> None:
         if entry.state == State.RECEIVING and not entry.shards and not entry.arriving and not entry.dropped:

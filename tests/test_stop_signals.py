@@ -7,6 +7,7 @@ process with the handler under test installed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,3 +109,65 @@ def test_sigterm_is_a_rank_s_own_notice_with_the_launcher_s_grace_as_its_deadlin
     # A cloud's deadline that comes sooner is the one kept.
     board.on_notice(Notice("aws", "terminate", time.time() + 5).to_body())
     assert board.agree().deadline < before + 10
+
+
+HUNG_SHUTDOWN = """
+import os, signal, subprocess, sys, threading
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from dashrun.launch.preemption import StopSignals
+
+# a rank that ignores SIGTERM, in a session of its own as torch starts it, with a child of its own
+rank = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys, time; "
+                         "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+                         "print(child.pid, flush=True); time.sleep(300)"], start_new_session=True,
+                        stdout=subprocess.PIPE, text=True)
+print(rank.pid, rank.stdout.readline().strip(), flush=True)
+stop = StopSignals(0.5, ranks=lambda: {rank.pid}, overrun=1.0).install()
+stop.launching = True
+done = threading.Event()
+def watch():  # the PreemptionWatcher's thread
+    while not done.wait(0.05):
+        stop.tick()
+threading.Thread(target=watch, daemon=True).start()
+print("ready", flush=True)
+blocked = threading.Event()
+try:
+    blocked.wait()            # torch's agent runs the ranks
+except SignalException:
+    print("torch's shutdown", flush=True)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    blocked.wait()            # and hangs in it, as in a TCPStore whose host is gone
+sys.exit(3)
+"""
+
+
+def test_a_launcher_whose_torch_shutdown_hangs_exits_after_the_grace_and_kills_its_ranks(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-c", HUNG_SHUTDOWN], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in launcher.stdout.readline().split()]
+        assert launcher.stdout.readline().strip() == "ready"
+        launcher.send_signal(signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 75, stderr
+    assert "torch's shutdown" in stdout  # the grace ran out into torch's shutdown, which never ended
+    assert "still running 1.5s after SIGINT (torch's shutdown did not end)" in stderr
+    for pid in pids:  # the rank and its child are gone (reaped by init once their parents are)
+        wait_for(lambda: not _alive(pid), 30, f"process {pid} to be gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -16,6 +16,7 @@ grace is over. The run then ends as after a cloud's notice: exit 75.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -41,6 +42,9 @@ POLL = 0.2
 STOP_MARGIN = 5.0
 #: The signals the launcher takes itself; torch's elastic agent handles the others it is told to.
 TAKEN = (signal.SIGTERM, signal.SIGINT)
+#: Seconds past the grace that torch's shutdown may take before the launcher exits without it: its rendezvous
+#: teardown can block in C++ (a TCPStore whose host is gone), where no signal handler runs, for minutes.
+OVERRUN = 30.0
 
 
 def torch_signals(signals_to_handle: str) -> str:
@@ -68,13 +72,17 @@ class StopSignals:
        ``--shutdown-timeout``) are killed, and so they are at once on a
        second SIGINT (Ctrl-C twice): through torch's own shutdown, which its
        agent (running in the main thread, where the handler runs) starts on
-       the one exception it takes for that, ``SignalException``.
+       the one exception it takes for that, ``SignalException``;
+    4. a launcher still running ``overrun`` seconds after that (torch's
+       shutdown hung) kills what is left of its ranks and exits 75 at once:
+       dash-agent and the private dash-memd see their parent gone, deliver
+       what they hold and exit (``--parent-pid``).
     """
 
-    def __init__(self, grace: float, ranks: Callable[[], Iterable[int]]):
+    def __init__(self, grace: float, ranks: Callable[[], Iterable[int]], overrun: float = OVERRUN):
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        self.grace = grace
+        self.grace, self.overrun = grace, overrun
         self.ranks = ranks  # the pids of this node's ranks now
         self.signal: signal.Signals | None = None  # the first stop signal
         self.killed: str | None = None  # why the ranks were (to be) killed before they stopped by themselves
@@ -118,6 +126,17 @@ class StopSignals:
             self.killed = why
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
+    def _exit_without_torch(self) -> None:
+        print(f"dashrun: still running {self.grace + self.overrun:g}s after {self.signal.name} (torch's shutdown did "
+              "not end): killing what is left of the ranks and exiting", file=sys.stderr, flush=True)
+        for pid in self.ranks():
+            try:
+                os.killpg(pid, signal.SIGKILL)  # torch starts each rank in a session of its own: its children too
+            except (ProcessLookupError, PermissionError):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        os._exit(int(ExitCode.PREEMPTED))
+
     def tick(self) -> None:
         """Pass a stop signal on to the ranks, and kill them once the grace is over (see the class's text)."""
         if self.signal is None:
@@ -127,6 +146,8 @@ class StopSignals:
             again = "; Ctrl-C again kills them now" if self.signal == signal.SIGINT else ""
             print(f"dashrun: {self.signal.name}: the ranks take an emergency checkpoint and stop (within "
                   f"{self.grace:g}s{again})", file=sys.stderr)
+        if time.monotonic() - self._received_at > self.grace + self.overrun:
+            self._exit_without_torch()
         if not self.launching:
             return
         for pid in set(self.ranks()) - self._told:

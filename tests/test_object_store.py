@@ -316,7 +316,7 @@ def test_memd_lost_with_its_data_dir_the_bucket_resumes_the_job_bit_identical(me
                            capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
     with memd.client() as client:
-        wait_for(lambda: client.list()["jobs"][0]["newest"]["state"] == "in_object_store", 60,
+        wait_for(lambda: client.list()["jobs"][0]["newest"]["state"] == "in_object_store", 180,
                  "the newest checkpoint in the bucket")
         newest = client.latest("s3-job").step
     assert newest == 14
@@ -345,7 +345,7 @@ def test_a_corrupt_newest_checkpoint_in_the_bucket_resumes_from_the_one_before(m
     assert first.returncode == 0, first.stderr[-3000:]
     with memd.client() as client:
         wait_for(lambda: [c["state"] for c in client.list()["jobs"][0]["checkpoints"]][-2:]
-                 == ["in_object_store"] * 2, 60, "steps 4 and 9 in the bucket")
+                 == ["in_object_store"] * 2, 180, "steps 4 and 9 in the bucket")
     memd.kill()
     shutil.rmtree(memd.data_dir)
     key = next(k for k in s3_bucket.keys() if k.endswith("/0000000000000009/rank-00001.bin"))

@@ -17,6 +17,8 @@ import ssl
 import threading
 
 import pytest
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from conftest import wait_for
 
 from dashrun.errors import ChecksumError, ProtocolError, RecordTagError, UnavailableError
@@ -104,6 +106,11 @@ def test_frames_of_every_size_cross_sealed_and_nothing_is_in_the_clear():
     marker = b"plaintext-marker" * 4096
     wire = written_by(Records(None, KEY_A, KEY_B), marker)
     assert len(wire) == len(marker) + 4 + 16 and b"plaintext-marker" not in wire
+    # sealed with AES-128-GCM under the first half of the direction's key: record 0's nonce, its length as AAD
+    body, nonce = wire[4:], bytes(12)
+    assert AESGCM(KEY_A[:16]).decrypt(nonce, body, wire[:4]) == marker
+    with pytest.raises(InvalidTag):  # not AES-256-GCM under the whole key
+        AESGCM(KEY_A).decrypt(nonce, body, wire[:4])
 
 
 def test_a_record_is_read_whole_or_in_pieces():

@@ -216,11 +216,16 @@ def test_dash_memd_restarted_empty_then_a_node_killed_the_job_goes_on_from_the_p
     assert not located.in_memd and [s.crc for s in located.info.shards] == [s.crc for s in info.shards]
     rank = relaunched_restores_from_peers(where, agent_factory, rank_on, agents[0], ranks, 4, info.nbytes, model,
                                           opt, "dash-memd restarted empty, then a node killed")
-    save([rank, ranks[1]], 5)  # the job goes on
+    # torch restarts every rank of the job when one fails: the survivor's too, which restores from its own node
+    ranks[1].close()
+    model3, opt3 = big_state(seed=98)
+    survivor = rank_on(agents[1], 1, 2, model=model3, optimizer=opt3, data=Cursor())
+    assert survivor.restore() == 5 and same_state(model, model3)
+    save([rank, survivor], 5)  # the job goes on
     with empty.client() as client:
         assert client.locate(JOB).info.step == 5
     rank.close()
-    ranks[1].close()
+    survivor.close()
 
 
 @VARIANTS

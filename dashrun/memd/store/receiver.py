@@ -17,7 +17,8 @@ Within a world, it holds the shards of one run (``ShardHeader.base``, the step
 the run restored): a run that crashed after some of its ranks sent step N
 leaves them behind, and the run that redoes N began at a newer step; its
 shards take the crashed run's out, so that no checkpoint is made of two runs'
-states.
+states. (Every rank of a run restores the same step: torch restarts every rank
+of the job when one fails or the world changes.)
 """
 
 from __future__ import annotations

@@ -242,8 +242,12 @@ def test_copies_of_two_nodes_of_one_zone_go_to_the_node_of_the_other(in_namespac
     save(ranks, 6)
     for ckpt in ranks:
         ckpt.close()
-    wait_for(lambda: {"n1", "n2"} <= set(holdings(where.memd).get("n3", {}).get(6, [])), 30,
-             "n3 to hold n1's and n2's step 6")
+    def settled() -> bool:  # n3 holds n1's and n2's step 6, and n3's own copy reached n1 or n2
+        held = holdings(where.memd)
+        return ({"n1", "n2"} <= set(held.get("n3", {}).get(6, []))
+                and "n3" in held.get("n1", {}).get(6, []) + held.get("n2", {}).get(6, []))
+
+    wait_for(settled, 30, "n3 to hold n1's and n2's step 6, and n1 or n2 to hold n3's")
     held = holdings(where.memd)
     # n1 and n2 share a zone and a pool: neither keeps the other's copy; n3's own goes to one of them
     assert "n2" not in held["n1"][6] and "n1" not in held["n2"][6]

@@ -56,8 +56,8 @@ def test_a_scancel_term_checkpoints_requeues_and_resumes_with_no_step_lost(clust
     wait_for(lambda: preempted_at(out) and preempted_at(out, 1), 120, "the emergency checkpoint on both ranks")
     step = preempted_at(out)[0]
     assert preempted_at(out, 1) == [step]
-    # Slurm holds a requeued job back for about two minutes (its begin time). Released sooner (scontrol update
-    # StartTime=now), its second run failed at once on this machine every other time: it is left to Slurm.
+    # Slurm holds a requeued job back until its job credential expires (cred_expire, 120 s by default; released
+    # sooner, its second run fails with "Job credential revoked"): the test's slurm.conf sets cred_expire=10.
     wait_for(lambda: cluster.job(job).get("Restarts") == "1", 120, "the job to be requeued")
     try:
         wait_for(lambda: cluster.job(job).get("JobState") in ("COMPLETED", "FAILED"), 420,

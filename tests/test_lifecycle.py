@@ -44,10 +44,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dashrun.errors import ChecksumError, ConflictError, NotFoundError, UnavailableError
+from dashrun.memd.fleet.membership import Membership
 from dashrun.memd.store.catalogue import Catalogue, Ticket
 from dashrun.memd.store.tiers import DiskTier, RamTier
 from dashrun.memd.store.tiers.base import MANIFEST
-from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, JobSpec, MembershipEvent, ShardHeader
 from dashrun.wire.protocol import crc32c
 
 WORLD = {"a": 2, "b": 1}                 # job -> ranks
@@ -85,6 +86,7 @@ class MemoryBucket:
     def __init__(self):
         self.steps_held: dict[tuple[str, int], dict[str, bytes]] = {}  # (job, step) -> object name -> bytes
         self.spec_objects: dict[str, bytes] = {}
+        self.record_objects: dict[str, bytes] = {}
         self.during_put: Callable[[], None] | None = None
 
     def abort_incomplete_uploads(self) -> list[str]:
@@ -141,8 +143,22 @@ class MemoryBucket:
     def delete_spec(self, job: str) -> None:
         self.spec_objects.pop(job, None)
 
-    def specs(self) -> dict[str, JobSpec]:
-        return {job: JobSpec.from_body(json.loads(raw)) for job, raw in self.spec_objects.items()}
+    def jobs(self) -> list[str]:
+        return sorted({job for job, _ in self.steps_held} | set(self.spec_objects) | set(self.record_objects))
+
+    def specs(self, jobs=None) -> dict[str, JobSpec]:
+        return {job: JobSpec.from_body(json.loads(raw)) for job, raw in self.spec_objects.items()
+                if jobs is None or job in jobs}
+
+    def put_record(self, job: str, record: dict) -> None:
+        self.record_objects[job] = json.dumps(record).encode()
+
+    def get_record(self, job: str) -> dict | None:
+        raw = self.record_objects.get(job)
+        return None if raw is None else json.loads(raw)
+
+    def delete_record(self, job: str) -> None:
+        self.record_objects.pop(job, None)
 
     def close(self) -> None:
         pass
@@ -199,11 +215,15 @@ class Lifecycle(RuleBasedStateMachine):
         #: job -> steps committed since the last restart (until one, the newest of them stays too)
         self.fresh: dict[str, set[int]] = {job: set() for job in WORLD}
         self.spec = {job: False for job in WORLD}
+        self.events = {job: 0 for job in WORLD}  # membership events recorded since the job's last rm
 
     def start(self) -> Catalogue:
         self.disk = HookedDisk(self.dir)
         cat = Catalogue(RamTier(RAM_LIMIT), self.disk, keep_ram=1, keep_disk=2, objects=self.bucket, keep_object=3)
         cat.load_disk()
+        self.members = Membership(self.dir / "membership")  # as dash-memd wires them
+        self.members.load()
+        cat.uploader.keep_records(self.members)
         return cat
 
     def teardown(self):
@@ -323,6 +343,8 @@ class Lifecycle(RuleBasedStateMachine):
         deleted = self.cat.delete(job, keep)
         assert deleted == before[:max(0, len(before) - keep)]
         if keep == 0:
+            self.members.delete_job(job)  # the fleet's records go with the job, as dash-memd's `rm` does
+            self.events[job] = 0
             self.alive[job].clear()
             self.durable[job].clear()
             self.fresh[job].clear()
@@ -352,13 +374,22 @@ class Lifecycle(RuleBasedStateMachine):
         self.cat.put_spec(job, JobSpec(("train.py",), "/", "node", time.time()))
         self.spec[job] = True
 
+    @rule(job=JOBS)
+    def member_event(self, job):
+        """A launch's start (or any membership change) of ``job``: its record changes, and goes to the bucket."""
+        self.members.record(job, MembershipEvent(time.time(), "node", "joined", "started", 1, 0))
+        self.events[job] += 1
+
     @rule()
     def settle(self):
-        """The disk writer and the uploader do all they have to do."""
+        """The disk writer and the uploader do all they have to do; then the bucket's membership records are
+        dash-memd's, and a deleted job has none there."""
         while self.cat.disk_writer.persist_next(timeout=0):
             pass
         while self.cat.uploader.next(timeout=0):
             pass
+        for job in WORLD:
+            assert self.bucket.get_record(job) == self.members.body(job), f"{job}: the bucket's record is stale"
 
     @rule(then=ACTIONS)
     def restart(self, then):
@@ -430,6 +461,11 @@ class Lifecycle(RuleBasedStateMachine):
         assert ram.used == sum(len(b) for b in live), f"RAM in use {ram.used} != live {sum(len(b) for b in live)}"
         pooled = {id(b) for bufs in ram._free.values() for b in bufs}
         assert not pooled & {id(b) for b in live}, "a buffer in use is in the pool of free buffers"
+
+    @invariant()
+    def membership_kept_and_not_back(self):
+        for job in WORLD:
+            assert len(self.members.history(job)) == self.events[job], f"{job}: membership events lost or back"
 
     @invariant()
     def no_errors(self):

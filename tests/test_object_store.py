@@ -19,14 +19,16 @@ from conftest import REFERENCE_STEPS, TRAIN, Memd, dashrun_cmd, wait_for
 from runs import assert_identical, starts
 from test_catalogue import deliver, headers
 
-from dashrun.errors import ChecksumError, UnavailableError
+from dashrun.errors import ChecksumError, SignatureError, UnavailableError
+from dashrun.memd.fleet.membership import MEMBERSHIP, Membership
 from dashrun.memd.store.catalogue import Catalogue, State
 from dashrun.memd.store.tiers import DiskTier, RamTier
-from dashrun.memd.store.tiers.object import ObjectTier
+from dashrun.memd.store.tiers.object import RECORD, ObjectTier
 from dashrun.memd.store.tiers.signing import manifest_key
 from dashrun.memd.store.tombstones import TOMBSTONES
 from dashrun.util.tokens import write_token
-from dashrun.wire.messages import JobSpec
+from dashrun.wire.history import Restored
+from dashrun.wire.messages import FailureDomain, JobSpec, MembershipEvent, ShardHeader
 from dashrun.wire.protocol import crc32c
 from dashrun.wire.tls import TlsSettings
 
@@ -301,6 +303,99 @@ def test_a_full_upload_queue_drops_its_oldest(s3_bucket, tmp_path):
     assert steps_in_bucket(s3_bucket, "a") == [1]
 
 
+# --- membership records ------------------------------------------------------------------------------
+
+
+def with_records(cat: Catalogue, tmp_path, name: str = "data") -> Membership:
+    """The catalogue's uploader keeping a Membership's records in the bucket, as dash-memd wires them."""
+    members = Membership(tmp_path / name / MEMBERSHIP)
+    members.load()
+    cat.uploader.keep_records(members)
+    return members
+
+
+def shard_header(step: int, job: str = "j") -> ShardHeader:
+    return ShardHeader(job, step, 0, 1, 0, 0, 0, 0, 0, "x")
+
+
+def record_in_bucket(bucket, job: str = "j") -> dict | None:
+    key = next((k for k in bucket.keys() if k.endswith(f"/{job}/{RECORD}")), None)
+    if key is None:
+        return None
+    return json.loads(bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read())["record"]
+
+
+def test_a_jobs_membership_record_survives_a_lost_data_dir_through_the_bucket(s3_bucket, tmp_path):
+    cat = make_catalogue(tmp_path, s3_bucket.url())
+    members = with_records(cat, tmp_path)
+    drain(cat)
+    members.record("j", MembershipEvent(100.0, "n1", "joined", "started", 1, 0))
+    assert members.raise_generation("j", 3) == 3
+    members.note_snapshot(shard_header(4), Restored(-1, 0.5, 101.0))
+    members.note_snapshot(shard_header(9), None)
+    members.note_domain("j", "n1", FailureDomain("us-east-1a", "m5.large:spot", "spot"))
+    drain(cat)
+    assert record_in_bucket(s3_bucket) == members.body("j")
+
+    # The data dir is lost; the job reconnects and records an event before the bucket is listed.
+    reborn = make_catalogue(tmp_path, s3_bucket.url(), name="empty")
+    again = with_records(reborn, tmp_path, name="empty")
+    again.record("j", MembershipEvent(200.0, "n1", "joined", "restarted", 1, 0))
+    again.note_snapshot(shard_header(14), Restored(9, 2.0, 201.0))
+    drain(reborn)
+    assert again.generation("j") == 3
+    assert [e.why for e in again.history("j")] == ["started", "restarted"]
+    history = again.run_history("j")
+    assert [p[1] for p in history["points"]] == [4, 9, 14]
+    assert history["restores"] == 1 and history["restore_s"] == pytest.approx(2.5)
+    assert history["domains"]["n1"]["zone"] == "us-east-1a"
+    assert record_in_bucket(s3_bucket) == again.body("j")  # the merged record went back up
+    # on disk too: a restart of this dash-memd reads it from its data dir
+    third = Membership(tmp_path / "empty" / MEMBERSHIP)
+    third.load()
+    assert third.body("j") == again.body("j")
+
+    # `dashrun rm`: the bucket's copy goes with the job, and a restart on an empty data dir takes nothing back.
+    reborn.delete("j")
+    again.delete_job("j")
+    drain(reborn)
+    assert record_in_bucket(s3_bucket) is None and s3_bucket.keys() == []
+    fourth = make_catalogue(tmp_path, s3_bucket.url(), name="empty-again")
+    nothing = with_records(fourth, tmp_path, name="empty-again")
+    drain(fourth)
+    assert nothing.jobs() == []
+
+
+def test_a_membership_record_planted_edited_or_moved_in_the_bucket_is_refused(s3_bucket, tmp_path, caplog):
+    cat = make_catalogue(tmp_path, s3_bucket.url())
+    members = with_records(cat, tmp_path)
+    drain(cat)
+    members.record("a", MembershipEvent(100.0, "n1", "joined", "started", 1, 0))
+    members.raise_generation("a", 2)
+    drain(cat)
+    key = next(k for k in s3_bucket.keys() if k.endswith(f"/a/{RECORD}"))
+    signed = json.loads(s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+    edited = {**signed, "record": {**signed["record"], "generation": 1 << 40}}  # would fence the job out
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=json.dumps(edited).encode())
+    # a's record, signed, copied to b's key: refused as another job's
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key.replace("/a/", "/b/"), Body=json.dumps(signed).encode())
+    unsigned = {k: v for k, v in signed.items() if k != "mac"}
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key.replace("/a/", "/c/"),
+                                Body=json.dumps({**unsigned, "job": "c"}).encode())
+
+    reborn = make_catalogue(tmp_path, s3_bucket.url(), name="empty")
+    again = with_records(reborn, tmp_path, name="empty")
+    with caplog.at_level("WARNING"):
+        drain(reborn)
+    assert again.jobs() == [] and again.generation("a") == 0
+    refused = [r.getMessage() for r in caplog.records if "membership record of" in r.getMessage()]
+    assert len(refused) == 3, refused
+    assert any("of b" in m and "another job" in m for m in refused)
+    assert any("of c" in m and "not signed" in m for m in refused)
+    with pytest.raises(SignatureError):
+        reborn.objects.get_record("a")
+
+
 # --- dash-memd processes and real jobs ------------------------------------------------------------------
 
 
@@ -320,6 +415,9 @@ def test_memd_lost_with_its_data_dir_the_bucket_resumes_the_job_bit_identical(me
                  "the newest checkpoint in the bucket")
         newest = client.latest("s3-job").step
     assert newest == 14
+    # the job's membership record too (the launch's end is its last event): what `dashrun report` reads
+    wait_for(lambda: "finished" in [e["change"] for e in (record_in_bucket(s3_bucket, "s3-job") or {}).get("events", [])],
+             60, "the job's membership record in the bucket")
 
     memd.kill()
     shutil.rmtree(memd.data_dir)
@@ -328,6 +426,14 @@ def test_memd_lost_with_its_data_dir_the_bucket_resumes_the_job_bit_identical(me
     assert second.returncode == 0, second.stderr[-3000:]
     assert starts(out) == [0, newest + 1]
     assert_identical(reference, out)
+    ledger = subprocess.run([sys.executable, "-m", "dashrun", "report", "s3-job", "--json", "--memd", reborn.address,
+                             "--token-file", str(reborn.token_file), *reborn.tls_args],
+                            capture_output=True, text=True, timeout=60)
+    assert ledger.returncode == 0, ledger.stderr
+    found = json.loads(ledger.stdout)
+    steps = [point[1] for point in found["points"]]
+    assert steps[:3] == [4, 9, 14] and steps[-1] == REFERENCE_STEPS - 1, steps  # the first launch's snapshots too
+    assert found["restores"] == 1 and found["steps_done"] == REFERENCE_STEPS
     status = subprocess.run([sys.executable, "-m", "dashrun", "status", "--memd", reborn.address, "--token-file",
                              str(reborn.token_file)], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and url in status.stdout, status.stdout + status.stderr

@@ -82,7 +82,7 @@ class MemdServer:
         self.catalogue = Catalogue(RamTier(config.memory_limit), DiskTier(config.data_dir),
                                    keep_ram=config.keep_ram, keep_disk=config.keep_disk, objects=objects,
                                    keep_object=config.keep_object, upload_queue=config.upload_queue)
-        self.fleet = FleetRequests(config.data_dir)
+        self.fleet = FleetRequests(config.data_dir, self.catalogue.uploader)
         self.catalogue.receiver.fence = self.fleet.membership.check_shard
         self.fleet.catalogued = self.catalogue.latest
         self._listener: socket.socket | None = None
@@ -234,6 +234,7 @@ class MemdServer:
         while not self._stopping.is_set():
             try:
                 self.catalogue.uploader.next(timeout=0.5)
+                self.fleet.membership.mirror_due()
             except Exception:  # a bug must not stop uploads for good
                 log.exception("object tier: internal error")
                 self._stopping.wait(5.0)

@@ -109,6 +109,23 @@ class RunHistory:
         self.domains[node] = domain
         return True
 
+    def extend(self, later: RunHistory) -> None:
+        """Add what ``later`` counted after this history's end: a dash-memd that started without this one (its
+        data dir lost) and took it back from the bucket afterwards. A rollback in ``later`` is measured against
+        the higher of the two histories' steps from then on only."""
+        if later._seen or later.points:  # the run going on now is later's
+            self._run_from, self._run_last = later._run_from, later._run_last
+            self._run_high = max(self.high, later._run_high)
+        self.redone += later.redone
+        self.restores += later.restores
+        self.restore_s += later.restore_s
+        self.high = max(self.high, later.high)
+        self.points.extend(later.points)
+        for node, domain in later.domains.items():
+            if node in self.domains or len(self.domains) < MAX_HISTORY_NODES:
+                self.domains[node] = domain
+        self._seen.extend(at for at in later._seen if at not in self._seen)
+
     def to_body(self) -> dict[str, Any]:
         return {"high": self.high, "redone": self.redone, "restores": self.restores, "restore_s": self.restore_s,
                 "points": [list(p) for p in self.points],

@@ -25,6 +25,14 @@ reads. It changes with every checkpoint, so it is written at most every
 (:meth:`Membership.flush`): a dash-memd killed outright loses at most that
 last second of it.
 
+With an object tier, a copy of each record goes to the bucket beside the
+job's launch spec (:meth:`dashrun.memd.store.uploader.Uploader.keep_records`):
+at every event, and for the run history alone at most every
+:data:`MIRROR_PERIOD` seconds. A dash-memd that lost its data dir takes the
+job's record back from there when it lists the bucket (:meth:`Membership.adopt`),
+so ``dashrun report`` still covers the whole job; what a job recorded in the
+meantime (it reconnected before the listing) is added after it.
+
 Files are written outside the lock that guards the records (one write at a
 time, each of the records as they are then), so a check of a shard, which the
 catalogue makes under its own lock, never waits for a disk.
@@ -44,6 +52,8 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
+
 from dashrun.errors import ConflictError, NoSpaceError, ProtocolError
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.files import write_atomic
@@ -51,7 +61,7 @@ from dashrun.wire.history import Restored, RunHistory
 from dashrun.wire.messages import FailureDomain, MembershipEvent, ShardHeader
 from dashrun.wire.protocol import MAX_STEP, field_int, valid_job_id
 
-__all__ = ["HISTORY_SAVE_PERIOD", "MAX_EVENTS", "MAX_MEMBERSHIP_JOBS", "MEMBERSHIP", "Membership"]
+__all__ = ["HISTORY_SAVE_PERIOD", "MAX_EVENTS", "MAX_MEMBERSHIP_JOBS", "MEMBERSHIP", "MIRROR_PERIOD", "Membership"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,8 @@ MAX_EVENTS = 1000
 MAX_MEMBERSHIP_JOBS = 1024
 #: Seconds between writes of a job's record for its run history alone.
 HISTORY_SAVE_PERIOD = 1.0
+#: Seconds between copies of a job's record to the bucket for its run history alone (an event goes at once).
+MIRROR_PERIOD = 30.0
 #: Largest file read back (1000 events of the longest fields, JSON-escaped, stay below it).
 _MAX_FILE = 16 << 20
 
@@ -74,6 +86,9 @@ class _Job:
         self.history = RunHistory()
         self.saved_at = 0.0  # monotonic
         self.dirty = False   # the history changed since the record was written
+        self.loaded = False  # read from the data dir (or taken from the bucket): nothing older to take
+        self.mirrored_at = 0.0   # monotonic: when its copy to the bucket was last asked for
+        self.unmirrored = False  # the history changed since
 
 
 class Membership:
@@ -86,6 +101,9 @@ class Membership:
         self._jobs: dict[str, _Job] = {}
         #: job -> the newest world generation a shard of it was announced with (in RAM alone, see check_shard)
         self._sent: dict[str, int] = {}
+        #: Called, outside every lock here, with a job whose record changed, for its copy in the bucket
+        #: (:meth:`~dashrun.memd.store.uploader.Uploader.keep_records` sets it).
+        self.mirror: Callable[[str], None] = lambda job: None
 
     def load(self) -> None:
         """Read what an earlier dash-memd left; a file that cannot be read is skipped with a warning."""
@@ -100,21 +118,61 @@ class Membership:
                 try:
                     if path.stat().st_size > _MAX_FILE:
                         raise ValueError("too large")
-                    raw = loads_bounded(path.read_bytes())
-                    if not isinstance(raw, dict) or not isinstance(raw.get("events"), list):
-                        raise ValueError("not a membership record")
-                    record = _Job()
-                    record.generation = field_int(raw, "generation", 0, MAX_STEP)
-                    record.events.extend(MembershipEvent.from_body(e) for e in raw["events"][-MAX_EVENTS:])
-                    if raw.get("history") is not None:
-                        try:
-                            record.history = RunHistory.from_body(raw["history"])
-                        except ProtocolError as e:  # the events and the fence stand without it
-                            log.warning("membership: the run history in %s is ignored: %s", path, e)
+                    record = _parse(loads_bounded(path.read_bytes()), str(path))
                 except (OSError, ValueError, ProtocolError) as e:
                     log.warning("membership: ignored %s: %s", path, e)
                     continue
                 self._jobs[path.stem] = record
+
+    def adopt(self, job: str, raw: Any) -> bool:
+        """Take ``job``'s record from the bucket (``raw``, a :meth:`body`) unless the data dir had one (always
+        the newer): a dash-memd that lost its data dir. What this dash-memd recorded of the job before
+        (it reconnected first) is added after it, and the generation is the higher. Whether it was taken;
+        ValueError or ProtocolError if ``raw`` is no record."""
+        found = _parse(raw, f"the object store's record of {job}")
+        with self._write_lock:
+            with self._lock:
+                local = self._jobs.get(job)
+                if local is not None and local.loaded:
+                    return False
+                if local is None and len(self._jobs) >= MAX_MEMBERSHIP_JOBS:
+                    log.warning("membership: %s's record in the object store not taken: %d jobs have one here",
+                                job, MAX_MEMBERSHIP_JOBS)
+                    return False
+                if local is not None:
+                    found.generation = max(found.generation, local.generation)
+                    found.events.extend(local.events)
+                    found.history.extend(local.history)
+                found.saved_at = time.monotonic()
+                self._jobs[job] = found
+                body = _body(found.generation, found)
+            try:
+                self._write(job, body)
+            except OSError as e:  # RAM has it; written with the job's next change
+                found.dirty = True
+                log.warning("%s: membership record taken from the object store not written: %s", job, e)
+        return True
+
+    def jobs(self) -> list[str]:
+        """The jobs with a record."""
+        with self._lock:
+            return list(self._jobs)
+
+    def body(self, job: str) -> dict | None:
+        """``job``'s record as it is written (and copied to the bucket); None where it has none."""
+        with self._lock:
+            record = self._jobs.get(job)
+            return None if record is None else _body(record.generation, record)
+
+    def mirror_due(self) -> None:
+        """Ask for the bucket's copy of every record whose run history changed :data:`MIRROR_PERIOD` seconds or
+        more after its last copy (called every half second by dash-memd's uploader thread)."""
+        now = time.monotonic()
+        with self._lock:
+            due = [job for job, record in self._jobs.items()
+                   if record.unmirrored and now - record.mirrored_at >= MIRROR_PERIOD]
+        for job in due:
+            self._mirror(job)
 
     # --- the generation fence -----------------------------------------------------------
 
@@ -146,6 +204,7 @@ class Membership:
             with self._lock:
                 record.generation = generation
         log.info("%s: world generation %d", job, generation)
+        self._mirror(job)
         return generation
 
     def check_shard(self, header: ShardHeader) -> None:
@@ -175,6 +234,7 @@ class Membership:
         log.info("%s: %s %s%s, world %d", job, event.node, event.change, f" ({event.why})" if event.why else "",
                  event.world)
         self._save(job)
+        self._mirror(job)
 
     def history(self, job: str) -> list[MembershipEvent]:
         """``job``'s membership events, oldest first."""
@@ -196,6 +256,7 @@ class Membership:
             due = time.monotonic() - record.saved_at >= HISTORY_SAVE_PERIOD
         if due:  # not fsynced: a dash-memd that dies keeps it (the kernel has it), a machine that dies loses a second
             self._save(header.job, durable=False)
+        self._mirror(header.job, history_only=True)
 
     def note_domain(self, job: str, node: str, domain: FailureDomain | None) -> None:
         """Keep the failure domain ``node`` of ``job`` announced (its instance type, zone, market) in the job's
@@ -205,6 +266,7 @@ class Membership:
             if record is None or not record.history.note_domain(node, domain):
                 return
         self._save(job)
+        self._mirror(job)
 
     def run_history(self, job: str) -> dict | None:
         """``job``'s run history as the MEMBERSHIP reply sends it; None where it has no record."""
@@ -228,6 +290,7 @@ class Membership:
             self._jobs.pop(job, None)
             self._sent.pop(job, None)
         self._save(job)
+        self.mirror(job)  # the bucket's copy goes too
 
     # --- plumbing ----------------------------------------------------------------------------
 
@@ -237,6 +300,20 @@ class Membership:
                                hint="remove finished jobs with: dashrun rm JOB")
         record = self._jobs[job] = _Job()
         return record
+
+    def _mirror(self, job: str, history_only: bool = False) -> None:
+        """Ask for ``job``'s copy in the bucket; for a change of its run history alone, only if the last was
+        :data:`MIRROR_PERIOD` seconds ago or more (:meth:`mirror_due` asks later otherwise)."""
+        now = time.monotonic()
+        with self._lock:
+            record = self._jobs.get(job)
+            if record is None:
+                return
+            if history_only and now - record.mirrored_at < MIRROR_PERIOD:
+                record.unmirrored = True
+                return
+            record.mirrored_at, record.unmirrored = now, False
+        self.mirror(job)
 
     def _save(self, job: str, durable: bool = True) -> None:
         """Write ``job``'s record as it is now (remove its file if it has none); OSError if that fails."""
@@ -261,6 +338,23 @@ class Membership:
         else:
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(body, separators=(",", ":")), durable=durable)
+
+
+def _parse(raw: Any, where: str) -> _Job:
+    """A record from its body (as :func:`_body` makes it); a run history that does not parse is dropped with a
+    warning (the events and the fence stand without it)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("events"), list):
+        raise ValueError("not a membership record")
+    record = _Job()
+    record.loaded = True
+    record.generation = field_int(raw, "generation", 0, MAX_STEP)
+    record.events.extend(MembershipEvent.from_body(e) for e in raw["events"][-MAX_EVENTS:])
+    if raw.get("history") is not None:
+        try:
+            record.history = RunHistory.from_body(raw["history"])
+        except ProtocolError as e:
+            log.warning("membership: the run history in %s is ignored: %s", where, e)
+    return record
 
 
 def _body(generation: int, record: _Job) -> dict:

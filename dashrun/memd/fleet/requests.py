@@ -18,7 +18,7 @@ while the job runs elsewhere must not wipe the running job.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dashrun.errors import ConflictError, ProtocolError, UnavailableError
 from dashrun.memd.fleet.holdings import Registry
@@ -43,6 +43,9 @@ from dashrun.wire.protocol import (
     field_str,
 )
 
+if TYPE_CHECKING:
+    from dashrun.memd.store.uploader import Uploader
+
 __all__ = ["MAX_MEMBERSHIP_REPLY", "FleetRequests"]
 
 #: Most bytes of membership events one MEMBERSHIP reply carries (the newest that fit; typically all 1000).
@@ -54,9 +57,11 @@ MAX_HOLDINGS_REPLY = MAX_BODY // 4
 class FleetRequests:
     """The fleet view's records under ``data_dir`` and the handlers of their requests."""
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, uploader: Uploader | None = None):
         self.rendezvous = RendezvousStates(data_dir / RENDEZVOUS)
         self.membership = Membership(data_dir / MEMBERSHIP)
+        if uploader is not None:  # the bucket keeps a copy of each job's membership record
+            uploader.keep_records(self.membership)
         self.store = KeyValueStore()
         self.holdings = Registry()
         #: The catalogue's newest committed checkpoint of a job (or of a step), which the server sets: a LATEST

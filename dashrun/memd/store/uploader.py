@@ -1,8 +1,8 @@
 """The uploader: one queue of object-store tasks behind the disk tier, and reads from the bucket.
 
 It uploads each checkpoint once it is on disk (reading the disk copy, so a
-slow store never pins RAM), the job's launch spec, and the deletions of
-retention, in order. Uploads are bounded: a newer checkpoint of a job
+slow store never pins RAM), the job's launch spec and membership record
+(:meth:`Uploader.keep_records`), and the deletions of retention, in order. Uploads are bounded: a newer checkpoint of a job
 supersedes its queued older ones, and a full queue drops its oldest upload. A
 failed task is retried with backoff, forever, while it is still wanted; the
 failure is shown on the job. A disk copy whose bytes no longer match their
@@ -36,9 +36,9 @@ import logging
 import mmap
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from dashrun.errors import ChecksumError, DashError, NotFoundError
+from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolError, SignatureError
 from dashrun.memd.store.entry import Entry, State
 from dashrun.memd.store.ledger import Ledger
 from dashrun.memd.store.retention import Retention
@@ -52,7 +52,7 @@ from dashrun.util.units import format_size
 if TYPE_CHECKING:  # boto3 is imported only when dash-memd has an object tier
     from dashrun.memd.store.tiers.object import ObjectTier
 
-__all__ = ["ObjectTask", "Uploader"]
+__all__ = ["ObjectTask", "Records", "Uploader"]
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,27 @@ _LISTING = ("listing",)
 @dataclasses.dataclass(frozen=True, eq=False)
 class ObjectTask:
     """One thing for the uploader to do: ``upload`` an entry, ``spec`` (upload a job's launch spec),
-    ``delete`` a step, ``purge`` (delete what a tombstone covers)."""
+    ``record`` (make the bucket's copy of a job's membership record the one dash-memd has, or delete it if it has
+    none), ``delete`` a step, ``purge`` (delete what a tombstone covers)."""
 
     kind: str
     job: str
     step: int = -1
     entry: Entry | None = None
     tombstone: Tombstone | None = None
+
+
+class Records(Protocol):
+    """The jobs' membership records (:class:`dashrun.memd.fleet.membership.Membership`), as the uploader keeps
+    their copies in the bucket."""
+
+    mirror: Callable[[str], None]
+
+    def jobs(self) -> list[str]: ...
+
+    def body(self, job: str) -> dict | None: ...
+
+    def adopt(self, job: str, raw: Any) -> bool: ...
 
 
 class Uploader:
@@ -98,6 +112,21 @@ class Uploader:
         #: the upload fails and is retried, as any other failure).
         self.disk_copy_failed: Callable[[Entry, DashError], None] | None = None
         self.tasks.extend(ObjectTask("purge", t.job, tombstone=t) for t in self.tombstones.records())
+        #: The membership records copied to the bucket (:meth:`keep_records`); None: none are.
+        self.records: Records | None = None
+
+    def keep_records(self, records: Records) -> None:
+        """Keep a copy of every job's membership record in the bucket: replaced as ``records`` says one changed,
+        taken back at the listing for a job the data dir has none of, deleted with the job."""
+        self.records = records
+        records.mirror = self.record_changed
+
+    def record_changed(self, job: str) -> None:
+        """(Without the ledger's lock.) Queue the bucket's copy of ``job``'s record, unless it is queued: the task
+        sends the record as it is when it runs."""
+        with self.ledger.cond:
+            if not any(t.kind == "record" and t.job == job for t in self.tasks):
+                self.queue(ObjectTask("record", job))
 
     def close(self) -> None:
         """Stop retrying (dash-memd is shutting down)."""
@@ -116,7 +145,9 @@ class Uploader:
         """
         aborted = self.objects.abort_incomplete_uploads()
         infos, problems = self.objects.scan_report()
-        specs = self.objects.specs()
+        jobs = self.objects.jobs()
+        specs = self.objects.specs(jobs)
+        records = self._bucket_records(jobs, problems)
         ledger = self.ledger
         deleted = 0
         with ledger.cond:
@@ -147,6 +178,8 @@ class Uploader:
             self.listed = True
             self.listing_error = None
             ledger.cond.notify_all()
+        if self.records is not None:
+            self._adopt_records(records, problems)
         self.problems.ok(_LISTING)
         for key in aborted:
             log.info("object tier: aborted an incomplete upload of %s", key)
@@ -158,6 +191,39 @@ class Uploader:
         log.info("catalogue: %d checkpoints of %d jobs in %s", len(infos) - deleted,
                  len({i.job for i in infos}), self.objects.url)
         return problems
+
+    def _bucket_records(self, jobs: list[str], problems: list[str]) -> dict[str, dict]:
+        """The membership records the bucket holds of ``jobs`` (none a tombstone deleted); the refused and the
+        unreadable are added to ``problems``."""
+        found: dict[str, dict] = {}
+        if self.records is None:
+            return found
+        for job in jobs:
+            if self.tombstones.job_deleted(job):
+                continue
+            try:
+                record = self.objects.get_record(job)
+            except SignatureError as e:
+                problems.append(f"refused the membership record of {job}: {e}")
+            except ChecksumError as e:
+                problems.append(f"ignored the membership record of {job}: {e}")
+            else:
+                if record is not None:
+                    found[job] = record
+        return found
+
+    def _adopt_records(self, found: dict[str, dict], problems: list[str]) -> None:
+        """Give the records the bucket holds (``found``) to :attr:`records` (which takes those of jobs the data
+        dir had none of), then queue the copy of every record the bucket lacks or holds another of."""
+        for job, raw in found.items():
+            try:
+                if self.records.adopt(job, raw):
+                    log.info("%s: membership record and run history taken from %s", job, self.objects.url)
+            except (ValueError, ProtocolError) as e:  # signed by us, so written by a dashrun that got it wrong
+                problems.append(f"ignored the membership record of {job}: {e}")
+        for job in self.records.jobs():
+            if self.records.body(job) != found.get(job):
+                self.record_changed(job)
 
     # --- the queue (with the ledger's lock held) -------------------------------------------
 
@@ -194,7 +260,7 @@ class Uploader:
         and with a whole job (``below`` None) drop its uploads queued."""
         job = tombstone.job
         if tombstone.below is None:
-            for task in [t for t in self.tasks if t.job == job and t.kind in ("upload", "spec")]:
+            for task in [t for t in self.tasks if t.job == job and t.kind in ("upload", "spec", "record")]:
                 self.tasks.remove(task)
             self.failures.pop(job, None)
             self.problems.forget(job)
@@ -285,6 +351,8 @@ class Uploader:
         if task.kind == "upload":
             newer = any(t.kind == "upload" and t.job == task.job for t in self.tasks)
             wanted = not (newer or task.entry.dropped or "disk" not in task.entry.tiers)
+        elif task.kind == "record":  # unless its job changed again since (that task sends the newer record)
+            wanted = not any(t.kind == "record" and t.job == task.job for t in self.tasks)
         else:
             wanted = task.kind != "spec" or task.job in self.ledger.specs
         if wanted:
@@ -298,6 +366,12 @@ class Uploader:
                 spec = self.ledger.specs.get(task.job)
             if spec is not None:
                 self.objects.put_spec(spec, task.job)
+        elif task.kind == "record":
+            record = self.records.body(task.job) if self.records is not None else None
+            if record is None:
+                self.objects.delete_record(task.job)
+            else:
+                self.objects.put_record(task.job, record)
         elif task.kind == "delete":
             self.objects.delete(task.job, task.step)
             log.info("%s step %d: deleted from the object store", task.job, task.step)
@@ -324,6 +398,9 @@ class Uploader:
                 respecified = job in self.ledger.specs  # its upload is queued and replaces the old one
             if not respecified:
                 self.objects.delete_spec(job)
+            self.objects.delete_record(job)
+            if self.records is not None and self.records.body(job) is not None:  # launched again since
+                self.record_changed(job)
         self.tombstones.purged(tombstone, "object")
 
     def _upload(self, entry: Entry) -> None:

@@ -4,6 +4,8 @@ Layout under ``s3://<bucket>/<prefix>`` (the layout version is part of every
 key, so a later layout can live beside this one)::
 
     <prefix>/dashrun-v1/jobs/<job>/SPEC.json                          the job's launch spec (JobSpec body)
+    <prefix>/dashrun-v1/jobs/<job>/MEMBERSHIP.json                    its membership record, signed (generation,
+                                                                      events, run history: what `dashrun report` reads)
     <prefix>/dashrun-v1/jobs/<job>/<step:016d>/rank-<rank:05d>.bin    rank's shard: its raw bytes
     <prefix>/dashrun-v1/jobs/<job>/<step:016d>/MANIFEST.json          written last: the commit
 
@@ -69,12 +71,13 @@ from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 from dashrun.errors import ChecksumError, NotFoundError, ProtocolError, SignatureError, UnavailableError, UsageError
 from dashrun.memd.store.tiers import s3, signing
 from dashrun.memd.store.tiers.base import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, SPEC, SourceChanged, Tier
+from dashrun.memd.store.tiers.jobobjects import RECORD, JobObjects
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.retry import Backoff, retry
-from dashrun.wire.messages import CheckpointInfo, JobSpec, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, ShardHeader
 from dashrun.wire.protocol import crc32c, valid_job_id
 
-__all__ = ["CRC_METADATA", "LAYOUT", "LONGEST_PAUSE", "ObjectTier"]
+__all__ = ["CRC_METADATA", "LAYOUT", "LONGEST_PAUSE", "MAX_SMALL_OBJECT", "RECORD", "ObjectTier"]
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +86,13 @@ LAYOUT = "dashrun-v1"
 CRC_METADATA = "dashrun-crc32c"
 #: Longest pause between tries of a whole shard transfer, in seconds.
 LONGEST_PAUSE = 30.0
+#: Largest manifest, spec or record downloaded (a bucket is not trusted with this process's memory).
+MAX_SMALL_OBJECT = 32 << 20
 
 T = TypeVar("T")
 
 
-class ObjectTier(Tier):
+class ObjectTier(JobObjects, Tier):
     """Committed checkpoints in ``s3://bucket/prefix``; see the module docstring for the layout.
 
     ``part_size`` and ``threshold``: shards of ``threshold`` bytes or more go
@@ -228,15 +233,6 @@ class ObjectTier(Tier):
     def _checksum(self, crc: int) -> dict:
         # Given the value, botocore sends it as is: S3 checks it, and no awscrt is needed for CRC32C.
         return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": s3.b64(crc)} if self.server_checksums else {}
-
-    def put_spec(self, spec: JobSpec, job: str) -> None:
-        key = f"{self.job_key(job)}/{SPEC}"
-        body = json.dumps(spec.to_body(), indent=1).encode()
-        self._retry(f"upload {key}", functools.partial(self._upload, key, memoryview(body)))
-
-    def delete_spec(self, job: str) -> None:
-        key = f"{self.job_key(job)}/{SPEC}"
-        self._retry(f"delete {key}", lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
 
     # --- deleting ----------------------------------------------------------------------------
 
@@ -383,28 +379,10 @@ class ObjectTier(Tier):
 
     def _get_small(self, key: str) -> bytes:
         with contextlib.closing(self.client.get_object(Bucket=self.bucket, Key=key)["Body"]) as body:
-            return body.read()
-
-    def specs(self) -> dict[str, JobSpec]:
-        """Every job's launch spec in the store; unreadable ones are skipped with a warning."""
-        prefix = f"{self.root}/jobs/"
-
-        def job_dirs() -> list[str]:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix,
-                                                                          Delimiter="/")
-            return [p["Prefix"][len(prefix):-1] for page in pages for p in page.get("CommonPrefixes", [])]
-
-        found = {}
-        for job in filter(valid_job_id, self._retry(f"list {prefix}", job_dirs)):
-            key = f"{prefix}{job}/{SPEC}"
-            try:
-                raw = self._retry(f"download {key}", functools.partial(self._get_small, key))
-                found[job] = JobSpec.from_body(loads_bounded(raw))
-            except NotFoundError:
-                continue
-            except (ValueError, AttributeError, ProtocolError) as e:
-                log.warning("object tier: ignored s3://%s/%s: %s", self.bucket, key, e)
-        return found
+            data = body.read(MAX_SMALL_OBJECT + 1)
+        if len(data) > MAX_SMALL_OBJECT:  # ValueError: the callers' "corrupt", not worth a retry
+            raise ValueError(f"larger than {MAX_SMALL_OBJECT} bytes")
+        return data
 
     def steps(self, job: str) -> list[int]:
         """The steps of ``job`` with any object in the store (a manifest or not), in order."""
@@ -425,7 +403,7 @@ class ObjectTier(Tier):
         problems: list[str] = []
         for key, size in objects.items():
             parts = key[len(prefix):].split("/")
-            if len(parts) == 2 and parts[1] == SPEC:
+            if len(parts) == 2 and parts[1] in (SPEC, RECORD):
                 continue
             if len(parts) != 3:
                 problems.append(f"ignored s3://{self.bucket}/{key}: not part of the layout")

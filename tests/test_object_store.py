@@ -416,8 +416,9 @@ def test_memd_lost_with_its_data_dir_the_bucket_resumes_the_job_bit_identical(me
         newest = client.latest("s3-job").step
     assert newest == 14
     # the job's membership record too (the launch's end is its last event): what `dashrun report` reads
-    wait_for(lambda: "finished" in [e["change"] for e in (record_in_bucket(s3_bucket, "s3-job") or {}).get("events", [])],
-             60, "the job's membership record in the bucket")
+    def changes_in_bucket() -> list[str]:
+        return [e["change"] for e in (record_in_bucket(s3_bucket, "s3-job") or {}).get("events", [])]
+    wait_for(lambda: "finished" in changes_in_bucket(), 60, "the job's membership record in the bucket")
 
     memd.kill()
     shutil.rmtree(memd.data_dir)

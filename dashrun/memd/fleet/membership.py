@@ -252,11 +252,10 @@ class Membership:
                 return
             if not record.history.note_snapshot(header, restored, time.time()):
                 return
-            record.dirty = True
+            record.dirty = record.unmirrored = True  # the bucket's copy follows with mirror_due
             due = time.monotonic() - record.saved_at >= HISTORY_SAVE_PERIOD
         if due:  # not fsynced: a dash-memd that dies keeps it (the kernel has it), a machine that dies loses a second
             self._save(header.job, durable=False)
-        self._mirror(header.job, history_only=True)
 
     def note_domain(self, job: str, node: str, domain: FailureDomain | None) -> None:
         """Keep the failure domain ``node`` of ``job`` announced (its instance type, zone, market) in the job's
@@ -301,18 +300,13 @@ class Membership:
         record = self._jobs[job] = _Job()
         return record
 
-    def _mirror(self, job: str, history_only: bool = False) -> None:
-        """Ask for ``job``'s copy in the bucket; for a change of its run history alone, only if the last was
-        :data:`MIRROR_PERIOD` seconds ago or more (:meth:`mirror_due` asks later otherwise)."""
-        now = time.monotonic()
+    def _mirror(self, job: str) -> None:
+        """Ask for ``job``'s copy in the bucket (which sends its record as it is then)."""
         with self._lock:
             record = self._jobs.get(job)
             if record is None:
                 return
-            if history_only and now - record.mirrored_at < MIRROR_PERIOD:
-                record.unmirrored = True
-                return
-            record.mirrored_at, record.unmirrored = now, False
+            record.mirrored_at, record.unmirrored = time.monotonic(), False
         self.mirror(job)
 
     def _save(self, job: str, durable: bool = True) -> None:

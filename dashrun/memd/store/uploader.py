@@ -2,8 +2,9 @@
 
 It uploads each checkpoint once it is on disk (reading the disk copy, so a
 slow store never pins RAM), the job's launch spec and membership record
-(:meth:`Uploader.keep_records`), and the deletions of retention, in order. Uploads are bounded: a newer checkpoint of a job
-supersedes its queued older ones, and a full queue drops its oldest upload. A
+(:meth:`Uploader.keep_records`), and the deletions of retention, in order.
+Uploads are bounded: a newer checkpoint of a job supersedes its queued older
+ones, and a full queue drops its oldest upload. A
 failed task is retried with backoff, forever, while it is still wanted; the
 failure is shown on the job. A disk copy whose bytes no longer match their
 checksums is not retried: it is quarantined as the disk verifier does (the

@@ -85,14 +85,7 @@ class JobObjects:
 
     def jobs(self) -> list[str]:
         """The jobs with any object in the store."""
-        prefix = f"{self.root}/jobs/"
-
-        def job_dirs() -> list[str]:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix,
-                                                                          Delimiter="/")
-            return [p["Prefix"][len(prefix):-1] for page in pages for p in page.get("CommonPrefixes", [])]
-
-        return list(filter(valid_job_id, self._retry(f"list {prefix}", job_dirs)))
+        return list(filter(valid_job_id, self._subdirs(f"{self.root}/jobs/")))
 
     def specs(self, jobs: Sequence[str] | None = None) -> dict[str, JobSpec]:
         """Every job's launch spec in the store (of ``jobs``, as :meth:`jobs` listed them); unreadable ones are

@@ -386,14 +386,8 @@ class ObjectTier(JobObjects, Tier):
 
     def steps(self, job: str) -> list[int]:
         """The steps of ``job`` with any object in the store (a manifest or not), in order."""
-        prefix = f"{self.job_key(job)}/"
-
-        def names() -> list[str]:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix,
-                                                                          Delimiter="/")
-            return [p["Prefix"][len(prefix):-1] for page in pages for p in page.get("CommonPrefixes", [])]
-
-        return sorted(int(name) for name in self._retry(f"list {prefix}", names) if len(name) == 16 and name.isdigit())
+        names = self._subdirs(f"{self.job_key(job)}/")
+        return sorted(int(name) for name in names if len(name) == 16 and name.isdigit())
 
     def scan_report(self) -> tuple[list[CheckpointInfo], list[str]]:
         """(complete checkpoints, what was skipped and why); changes nothing in the store."""
@@ -446,6 +440,15 @@ class ObjectTier(JobObjects, Tier):
         return found, problems
 
     # --- plumbing ------------------------------------------------------------------------------
+
+    def _subdirs(self, prefix: str) -> list[str]:
+        """The names of the "directories" right under ``prefix`` (which ends in /)."""
+        def names() -> list[str]:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix,
+                                                                          Delimiter="/")
+            return [p["Prefix"][len(prefix):-1] for page in pages for p in page.get("CommonPrefixes", [])]
+
+        return self._retry(f"list {prefix}", names)
 
     def _list(self, prefix: str) -> Iterator[dict]:
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):

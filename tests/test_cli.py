@@ -478,7 +478,9 @@ def test_resume_relaunches_the_stored_spec_from_another_directory(memd, tmp_path
     launch = [sys.executable, "-m", "dashrun", *memd_args(memd), "--operator-key", str(memd.operator_key),
               "--job-id", "spec", "--nproc-per-node", "2",
               "train.py", "--steps", "20", "--interval", "5", "--out", "out"]  # all relative to workdir
-    crashed = run(launch, cwd=workdir, env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
+    # a little time per step, so the snapshot of step 14 (where rank 1 crashes) is not skipped on a loaded machine
+    crashing = [*launch, "--delay", "0.05"]
+    crashed = run(crashing, cwd=workdir, env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
     assert crashed.returncode == 1
     resumed = dashrun("resume", "spec", *memd_args(memd), "--operator-pubkey", str(memd.operator_pubkey),
                       cwd=elsewhere, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})

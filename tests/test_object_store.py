@@ -407,7 +407,8 @@ def test_memd_lost_with_its_data_dir_the_bucket_resumes_the_job_bit_identical(me
     out = tmp_path / "out"
     args = [str(TRAIN), "--steps", str(REFERENCE_STEPS), "--interval", "5", "--out", str(out)]
     stop_at = 17
-    first = subprocess.run(dashrun_cmd(memd, *args, "--stop-after", str(stop_at), job="s3-job"),
+    # a little time per step, so no due snapshot is skipped on a loaded machine (the steps below are 4, 9, 14)
+    first = subprocess.run(dashrun_cmd(memd, *args, "--stop-after", str(stop_at), "--delay", "0.05", job="s3-job"),
                            capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
     with memd.client() as client:

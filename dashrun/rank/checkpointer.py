@@ -396,8 +396,10 @@ class Checkpointer:
         deadline = time.monotonic() + timeout
         if not snapshot.handed.wait(timeout) or snapshot.result is None:
             return False
+        concurrent.futures.wait([snapshot.result], timeout=max(0.0, deadline - time.monotonic()))
+        snapshot.settled.wait(max(0.0, deadline - time.monotonic()))  # the stats count it before wait() answers
         try:
-            snapshot.result.result(timeout=max(0.0, deadline - time.monotonic()))
+            snapshot.result.result(timeout=0)
             request = WaitRequest(self.job_id, snapshot.step, max(0.0, deadline - time.monotonic()))
             reply = self._link.call(Kind.WAIT, request.to_body(), timeout=max(1.0, deadline - time.monotonic() + 5))
             return WaitReply.from_body(reply.body).committed

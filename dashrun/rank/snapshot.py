@@ -104,6 +104,7 @@ class Snapshot:
     buffer: SharedBuffer | None = None
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     handed: threading.Event = dataclasses.field(default_factory=threading.Event)  # result is set (or failed)
+    settled: threading.Event = dataclasses.field(default_factory=threading.Event)  # counted stored or failed
     awaited: bool = False  # the optimizer hook has waited for the copy
     emergency: bool = False  # taken because of an interruption notice
     restored: Restored | None = None  # how this rank's run began (its restore), reported with the snapshot

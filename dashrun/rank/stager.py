@@ -182,6 +182,12 @@ class Stager:
     def _release(self, snapshot: Snapshot, future: concurrent.futures.Future, locked: bool) -> None:
         """The agent answered the SNAPSHOT (the buffer is free again, the shard stored or not), or the link dropped
         first (the agent may still be streaming the buffer: it waits, see :meth:`_settle`)."""
+        try:
+            self._count(snapshot, future, locked)
+        finally:
+            snapshot.settled.set()  # wait() reads the stats after this, not when the future alone is done
+
+    def _count(self, snapshot: Snapshot, future: concurrent.futures.Future, locked: bool) -> None:
         error = future.exception()
         with self._cond:
             snapshot.buffer.busy = False

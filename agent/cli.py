@@ -24,7 +24,7 @@ from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address, parse_size
 from dashrun.version import __version__
-from dashrun.wire.messages import FailureDomain
+from dashrun.wire.domain import MARKETS, FailureDomain, parse_instance_type
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["PROGRAM", "cli", "main", "run"]
@@ -63,6 +63,11 @@ log = logging.getLogger(PROGRAM)
               metavar="ZONE[/POOL]",
               help="This node's failure domain, which replicas of its state are placed away from (default: the zone, "
                    "instance type and market the metadata service gives, e.g. us-east-1a/g5.12xlarge:spot).")
+@click.option("--instance-type", envvar=env.INSTANCE_TYPE.name, show_envvar=True, default=None, metavar="TYPE",
+              help="This node's instance type, for the job's cost ledger and its pool (default: the metadata "
+                   "service's, e.g. g5.12xlarge).")
+@click.option("--market", envvar=env.MARKET.name, show_envvar=True, default=None, type=click.Choice(MARKETS),
+              help="Whether this node is a Spot VM (default: the metadata service says).")
 @click.option("--no-prefetch", envvar=env.NO_PREFETCH.name, show_envvar=True, is_flag=True,
               help="Do not fetch the job's newest checkpoint at start, ahead of its ranks' restore().")
 @click.option("--no-tls", envvar=env.NO_TLS.name, show_envvar=True, is_flag=True,
@@ -94,7 +99,7 @@ log = logging.getLogger(PROGRAM)
                                          "loopback; docs/metrics.md names them).")
 @log_options
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
-        metadata_endpoint, poll_interval, failure_domain, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
+        metadata_endpoint, poll_interval, failure_domain, instance_type, market, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
         peer_port, peer_memory_limit, node, peers, metrics_listen, log_level, log_format) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level, log_format, job=job_id)
@@ -104,6 +109,7 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          drain_timeout=drain_timeout, job=job_id, cloud=cloud, metadata_endpoint=metadata_endpoint,
                          poll_interval=poll_interval, parent_pid=parent_pid,
                          failure_domain=FailureDomain.parse(failure_domain) if failure_domain else None,
+                         instance_type=parse_instance_type(instance_type), market=market,
                          tls=TlsSettings.from_options(no_tls, tls_ca, tls_fingerprint), prefetch=not no_prefetch,
                          replicas=replicas, peer_port=peer_port,
                          peer_memory_limit=None if peer_memory_limit is None else parse_size(peer_memory_limit),

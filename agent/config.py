@@ -9,8 +9,8 @@ from pathlib import Path
 
 from dashrun.env import DEFAULT_PEER_PORT, PreemptionRecord
 from dashrun.errors import UsageError
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.memd_client import MemdClient
-from dashrun.wire.messages import FailureDomain
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["DEFAULT_PEER_MEMORY", "AgentConfig"]
@@ -50,6 +50,10 @@ class AgentConfig:
     #: this node's failure domain as --failure-domain names it (None: read from the metadata service,
     #: dashrun.agent.identity.this_domain)
     failure_domain: FailureDomain | None = None
+    #: this node's instance type and market as --instance-type/--market name them, in place of the metadata
+    #: service's (None: its, or the pool of --failure-domain)
+    instance_type: str | None = None
+    market: str | None = None
     #: the launcher's pid: once it is gone the agent delivers what was handed over and exits (None: never)
     parent_pid: int | None = None
     #: TLS to dash-memd (or plaintext with --no-tls), and a CA to verify it with

@@ -36,9 +36,10 @@ from dashrun.agent.pollers.base import MetadataError, Poller, json_object
 from dashrun.agent.pollers.detect import resolve_cloud
 from dashrun.agent.pollers.endpoints import AZURE_INSTANCE_VERSION
 from dashrun.agent.pollers.gcp import GcpPoller
-from dashrun.wire.messages import CLOUDS, MARKETS, MAX_DOMAIN_PART, FailureDomain
+from dashrun.wire.domain import MARKETS, MAX_DOMAIN_PART, FailureDomain
+from dashrun.wire.messages import CLOUDS
 
-__all__ = ["MAX_VALUE", "Identity", "read_identity", "this_domain"]
+__all__ = ["MAX_VALUE", "Identity", "bought_as", "read_identity", "this_domain"]
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +173,24 @@ def read_identity(cloud: str, endpoint: str | None = None, timeout: float = 2.0,
 
 
 def this_domain(label: FailureDomain | None, cloud: str, endpoint: str | None = None, timeout: float = 2.0, *,
+                instance_type: str | None = None, market: str | None = None,
                 env: Mapping[str, str] | None = None) -> FailureDomain:
     """This node's failure domain: ``label`` (``--failure-domain``) where given, else what the metadata service
-    says, else the unknown domain (which placement never counts as another)."""
-    if label is not None:
-        return label
-    identity = read_identity(cloud, endpoint, timeout, env=env)
-    return identity.domain if identity is not None else FailureDomain()
+    says, else the unknown domain (which placement never counts as another); its pool then names
+    ``instance_type`` and ``market`` (``--instance-type``, ``--market``) where given."""
+    if label is None:
+        identity = read_identity(cloud, endpoint, timeout, env=env)
+        label = identity.domain if identity is not None else FailureDomain()
+    return bought_as(label, instance_type, market)
+
+
+def bought_as(domain: FailureDomain, instance_type: str | None, market: str | None) -> FailureDomain:
+    """``domain`` with its pool ``INSTANCE_TYPE:MARKET`` naming ``instance_type`` and ``market`` where given (each
+    left as the pool had it where not): what the cost ledger reads a node's kind from."""
+    if not instance_type and not market:
+        return domain
+    suffix = f":{domain.market}"
+    kind = domain.pool[:-len(suffix)] if domain.market and domain.pool.endswith(suffix) else domain.pool
+    kind, market = instance_type or kind, market or domain.market
+    return FailureDomain(zone=domain.zone, pool=f"{kind}:{market}" if kind and market else kind, market=market)
+

@@ -35,6 +35,7 @@ from dashrun.agent.announcer import Announcer
 from dashrun.agent.config import AgentConfig
 from dashrun.agent.identity import this_domain
 from dashrun.agent.metrics import AgentMetrics
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.peer_client import PeerClient
 from dashrun.agent.peers.delivery import MemdFeed, Outcome
 from dashrun.agent.peers.own import OwnCopy
@@ -54,7 +55,7 @@ from dashrun.util.problems import ProblemLog
 from dashrun.util.units import format_size
 from dashrun.wire.credentials import Credential
 from dashrun.wire.holdings import Announced, HeldShard
-from dashrun.wire.messages import CheckpointInfo, FailureDomain, Notice, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, Notice, ShardHeader
 
 __all__ = ["AgentServer", "outbound_address"]
 
@@ -132,7 +133,7 @@ class AgentServer:
     def _join_fleet(self) -> None:
         """Read this node's failure domain once, then announce what it holds every few seconds."""
         config = self.config
-        self.domain = this_domain(config.failure_domain, config.cloud, config.metadata_endpoint)
+        self._read_domain()
         self.announcer = Announcer(config.memd_client, config.job, config.node, address=self._announced_address,
                                    held=self._held, answered=self._on_answer, replicas=config.replicas,
                                    domain=self.domain if self.domain.known else None)
@@ -142,7 +143,8 @@ class AgentServer:
 
     def _read_domain(self) -> None:
         config = self.config
-        self.domain = this_domain(config.failure_domain, config.cloud, config.metadata_endpoint)
+        self.domain = this_domain(config.failure_domain, config.cloud, config.metadata_endpoint,
+                                  instance_type=config.instance_type, market=config.market)
 
     def _announced_address(self) -> tuple[str, int]:
         return self.peer_address or ("-", 0)  # port 0: no peer reads from this node

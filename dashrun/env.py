@@ -47,6 +47,10 @@ POLL_INTERVAL = Var("DASH_POLL_INTERVAL", "seconds between metadata polls", "use
 FAILURE_DOMAIN = Var("DASH_FAILURE_DOMAIN", "this node's failure domain, ZONE or ZONE/POOL, where replicas of other "
                      "nodes' state are placed apart from (default: the zone, instance type and market the cloud's "
                      "metadata service gives)", "user", "dashrun, dash-agent")
+INSTANCE_TYPE = Var("DASH_INSTANCE_TYPE", "this node's instance type, for the job's cost ledger and its failure "
+                    "domain's pool (default: the metadata service's)", "user", "dashrun, dash-agent")
+MARKET = Var("DASH_MARKET", "this node's market, spot or on-demand (default: the metadata service's)", "user",
+             "dashrun, dash-agent")
 LISTEN = Var("DASH_LISTEN", "HOST:PORT dash-memd listens on", "user", "dash-memd")
 DATA_DIR = Var("DASH_DATA_DIR", "dash-memd's disk tier directory", "user", "dash-memd")
 MEMORY_LIMIT = Var("DASH_MEMORY_LIMIT", "bytes of checkpoint data dash-memd may hold in RAM", "user", "dash-memd")
@@ -147,8 +151,9 @@ CRASH_AT = Var("DASH_CRASH_AT", "crash points armed for fault-injection tests (s
                "all")
 
 ALL: tuple[Var, ...] = (
-    MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, FAILURE_DOMAIN, AGENT_SOCKET, LISTEN, DATA_DIR,
-    MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG, REMOTE_PYTHON, LOG_LEVEL, LOG_FORMAT,
+    MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, FAILURE_DOMAIN, INSTANCE_TYPE, MARKET,
+    AGENT_SOCKET, LISTEN, DATA_DIR, MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG,
+    REMOTE_PYTHON, LOG_LEVEL, LOG_FORMAT,
     METRICS_LISTEN, AGENT_METRICS_LISTEN, MEMD_WAIT,
     MEMD_TIMEOUT, DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED,
     AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY,

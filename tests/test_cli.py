@@ -16,6 +16,7 @@ from conftest import REPO, TRAIN, dashrun_cmd
 
 from dashrun.errors import UsageError
 from dashrun.launch import cli, fanout, launcher
+from dashrun.launch.checks import check_values
 from dashrun.launch.options import build_parser, require_script
 
 ENVDUMP = REPO / "tests" / "bin" / "envdump.py"
@@ -52,7 +53,7 @@ def test_every_torchrun_flag_is_accepted_with_the_same_meaning():
         assert type(action) is type(mine), dest  # same action class: env twins (PET_*) behave the same
     own = sorted(set(ours) - set(theirs))
     assert own == ["agent_cpus", "cloud", "data_cache", "data_cache_limit", "failure_domain", "fresh", "hostfile",
-                   "job_id", "log_format", "log_level", "memd", "memd_wait",
+                   "instance_type", "job_id", "log_format", "log_level", "market", "memd", "memd_wait",
                    "metadata_endpoint", "no_tls", "operator_key", "peer_memory_limit", "peer_port", "poll_interval",
                    "remote_python", "replicas", "ssh_config", "tls_ca", "tls_fingerprint", "token_file", "version",
                    "weak_token_ok"]
@@ -190,6 +191,8 @@ BAD_VALUES = [
     (["--poll-interval", "-1"], "--poll-interval -1.0 is not a number of seconds"),
     (["--failure-domain", "us east"], "--failure-domain 'us east' is not ZONE or ZONE/POOL"),
     (["--failure-domain", "a/b/c"], "--failure-domain 'a/b/c' is not ZONE or ZONE/POOL"),
+    (["--instance-type", "g5 big"], "--instance-type 'g5 big' is not an instance type"),
+    (["--market", "cheap"], "argument --market: invalid choice: 'cheap'"),
     (["--replicas", "1"], "--replicas 1 needs 1 other nodes to hold each node's copies, and --nnodes 1:1 gives a "
                           "node 0 others at most"),
     (["--replicas", "2", "--nnodes", "1:2", *MEMD], "--replicas 2 needs 2 other nodes to hold each node's copies, and "
@@ -502,7 +505,7 @@ def test_fresh_starts_over(finished_job):
 
 def test_the_failure_domain_reaches_dash_agent_and_its_env_twin_works(launch_dir, monkeypatch):
     from dashrun.launch.options import options_from_args
-    from dashrun.wire.messages import FailureDomain
+    from dashrun.wire.domain import FailureDomain
 
     def agent_command(*options: str) -> list[str]:
         args = build_parser().parse_args(["--memd", "127.0.0.1:7070", "--token-file", "token", *options, "train.py"])
@@ -520,6 +523,16 @@ def test_the_failure_domain_reaches_dash_agent_and_its_env_twin_works(launch_dir
     assert command[command.index("--failure-domain") + 1] == "rack-3"
     args = build_parser().parse_args(["--failure-domain", "z/p:on-demand", "train.py"])
     assert options_from_args(args).failure_domain == FailureDomain("z", "p:on-demand", "on-demand")
+    command = agent_command("--instance-type", "g5.xlarge", "--market", "on-demand")
+    assert command[command.index("--instance-type") + 1:command.index("--instance-type") + 4] == [
+        "g5.xlarge", "--market", "on-demand"]
+    assert "--instance-type" not in agent_command() and "--market" not in agent_command()
+    monkeypatch.setenv("DASH_MARKET", "spot")
+    command = agent_command()
+    assert command[command.index("--market") + 1] == "spot"
+    monkeypatch.setenv("DASH_MARKET", "cheap")  # an env twin's value is checked as the option's is
+    with pytest.raises(UsageError, match="--market 'cheap' is not one of spot, on-demand"):
+        check_values(build_parser().parse_args(["train.py"]))
 
 
 def test_replicas_default_to_one_on_two_nodes_and_reach_dash_agent_with_the_peer_options(launch_dir, monkeypatch):

@@ -15,9 +15,10 @@ from dashrun.memd.fleet import holdings as registry_module
 from dashrun.memd.fleet.holdings import Registry
 from dashrun.wire import holdings
 from dashrun.wire.credentials import Credential
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.holdings import HeldShard, Holder, Holdings, Member, NodeView
 from dashrun.wire.memd_client import MemdClient
-from dashrun.wire.messages import CheckpointInfo, FailureDomain, MembershipEvent, ShardHeader
+from dashrun.wire.messages import CheckpointInfo, MembershipEvent, ShardHeader
 from dashrun.wire.protocol import crc32c
 from dashrun.wire.tls import TlsSettings
 

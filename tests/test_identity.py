@@ -18,7 +18,7 @@ from conftest import REPO, load_fake_metadata, wait_for
 from dashrun.agent.identity import Identity, read_identity, this_domain
 from dashrun.agent.pollers import AwsPoller, MetadataError
 from dashrun.errors import ProtocolError, UsageError
-from dashrun.wire.messages import FailureDomain
+from dashrun.wire.domain import FailureDomain, parse_instance_type
 
 fake_metadata = load_fake_metadata()
 FakeMetadata = fake_metadata.FakeMetadata
@@ -207,7 +207,7 @@ def test_a_bad_label_is_one_line_with_a_hint(label):
     assert "ZONE/POOL" in refused.value.hint
 
 
-@pytest.mark.parametrize("body", [None, [], {"zone": 5}, {"zone": "z" * 200}, {"zone": "a b"}, {"pool": "p"},
+@pytest.mark.parametrize("body", [None, [], {"zone": 5}, {"zone": "z" * 200}, {"zone": "a b"}, {"pool": "p q"},
                                   {"zone": "z", "market": "cheap"}, {"zone": "z", "pool": "p/q"}])
 def test_a_peer_sent_domain_is_checked(body):
     with pytest.raises(ProtocolError):
@@ -219,6 +219,32 @@ def test_a_label_wins_over_the_metadata_service(fakes):
     label = FailureDomain.parse("rack-1/big")
     assert this_domain(label, "aws", fake.url) == label
     assert fake.requests == []  # not even asked
+
+
+def test_instance_type_and_market_flags_name_the_pool_over_the_metadata_service_and_a_label(fakes):
+    fake = fakes("aws")  # a Spot g5.12xlarge in us-east-1a
+    assert this_domain(None, "aws", fake.url, market="on-demand") == FailureDomain(
+        "us-east-1a", "g5.12xlarge:on-demand", "on-demand")  # the zone and type still read from the service
+    assert this_domain(None, "aws", fake.url, instance_type="p4d.24xlarge") == FailureDomain(
+        "us-east-1a", "p4d.24xlarge:spot", "spot")
+    assert this_domain(FailureDomain.parse("rack-1"), "aws", fake.url, instance_type="a100", market="spot") == \
+        FailureDomain("rack-1", "a100:spot", "spot")
+    assert this_domain(FailureDomain.parse("rack-1/big"), "none", market="spot") == FailureDomain(
+        "rack-1", "big:spot", "spot")
+    # no zone known: the pool and market alone, which the ledger reads and placement compares
+    alone = this_domain(None, "none", instance_type="g5.xlarge", market="on-demand")
+    assert alone == FailureDomain("", "g5.xlarge:on-demand", "on-demand") and alone.known
+    assert FailureDomain.from_body(alone.to_body()) == alone
+    assert this_domain(None, "none", market="spot") == FailureDomain(market="spot")
+    assert this_domain(None, "none") == FailureDomain()
+
+
+@pytest.mark.parametrize("text", ["", "g5 big", "g5:spot", "-g5", "x" * 120, "g5\x1b[31m"])
+def test_a_bad_instance_type_is_one_line_with_a_hint(text):
+    with pytest.raises(UsageError) as refused:
+        parse_instance_type(text)
+    assert "\n" not in str(refused.value) and str(refused.value).startswith("--instance-type ")
+    assert "g5.12xlarge" in refused.value.hint
 
 
 def test_identity_imports_no_torch():

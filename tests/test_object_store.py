@@ -27,8 +27,9 @@ from dashrun.memd.store.tiers.object import RECORD, ObjectTier
 from dashrun.memd.store.tiers.signing import manifest_key
 from dashrun.memd.store.tombstones import TOMBSTONES
 from dashrun.util.tokens import write_token
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.history import Restored
-from dashrun.wire.messages import FailureDomain, JobSpec, MembershipEvent, ShardHeader
+from dashrun.wire.messages import JobSpec, MembershipEvent, ShardHeader
 from dashrun.wire.protocol import crc32c
 from dashrun.wire.tls import TlsSettings
 

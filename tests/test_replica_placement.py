@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dashrun.agent.peers.placement import Member, choose_holders
-from dashrun.wire.messages import FailureDomain
+from dashrun.wire.domain import FailureDomain
 
 ZONES = ["", "us-east-1a", "us-east-1b", "us-west-2a"]
 POOLS = ["", "g5.12xlarge:spot", "g5.12xlarge:on-demand", "p4d.24xlarge:spot"]

@@ -15,8 +15,9 @@ from conftest import TRAIN, dashrun_cmd, kill_tree, load_fake_metadata, wait_for
 from runs import last_step, preempted_at, starts
 
 from dashrun.ledger.report import compute, stays
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.history import Restored, RunHistory
-from dashrun.wire.messages import FailureDomain, MembershipEvent, ShardHeader
+from dashrun.wire.messages import MembershipEvent, ShardHeader
 
 STEPS, INTERVAL = 30, 5
 TRAIN_ARGS = [str(TRAIN), "--steps", str(STEPS), "--interval", str(INTERVAL), "--delay", "0.05"]
@@ -120,6 +121,23 @@ def test_a_job_with_a_crash_and_a_notice_reported_field_by_field(memd_factory, t
     after = report(again, job, "--json", "--prices", str(prices), "--compare-on-demand", "g5.xlarge")
     assert after.returncode == 0, after.stderr
     assert json.loads(after.stdout) == body
+
+
+def test_instance_type_and_market_flags_price_a_node_the_metadata_service_does_not_describe(memd, tmp_path):
+    """No metadata service (--cloud none): dashrun --instance-type/--market reach dash-agent, which announces them
+    with the shards, and the report prices the node's hours by them."""
+    out, job = tmp_path / "out", "flagged"
+    args = [str(TRAIN), "--steps", "10", "--interval", "5", "--out", str(out)]
+    done = subprocess.run(dashrun_cmd(memd, "--cloud", "none", "--instance-type", "g5.xlarge", "--market", "on-demand",
+                                      *args, job=job), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    prices = tmp_path / "prices.csv"
+    prices.write_text(PRICES)
+    body = json.loads(report(memd, job, "--json", "--prices", str(prices)).stdout)
+    assert [(stay["instance_type"], stay["market"]) for stay in body["nodes"]] == [("g5.xlarge", "on-demand")]
+    assert body["node_hours"]["by_instance_type_and_market"] == pytest.approx({"g5.xlarge:on-demand":
+                                                                               body["node_hours"]["total"]})
+    assert body["cost_usd"] == pytest.approx(body["node_hours"]["total"] * 1.00)
 
 
 def test_report_mistakes_are_one_line_usage_errors(memd, tmp_path):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dashrun.wire.messages import FailureDomain
+from dashrun.wire.domain import FailureDomain
 
 __all__ = ["Member", "choose_holders"]
 

@@ -20,7 +20,7 @@ from dashrun.env import DEFAULT_PORT
 from dashrun.errors import UsageError
 from dashrun.launch.placement import parse_agent_cpus
 from dashrun.util.units import format_size, parse_address, parse_size
-from dashrun.wire.messages import FailureDomain
+from dashrun.wire.domain import MARKETS, FailureDomain, parse_instance_type
 from dashrun.wire.tls import TlsSettings
 
 __all__ = ["check_values", "max_nodes", "memd_address", "nnodes_range"]
@@ -242,6 +242,9 @@ def check_values(args: argparse.Namespace) -> None:
     _seconds(args.poll_interval, "--poll-interval")
     if args.failure_domain:
         FailureDomain.parse(args.failure_domain)
+    parse_instance_type(args.instance_type)
+    if args.market is not None and args.market not in MARKETS:  # its env twin's value; argparse checks the option's
+        _bad("--market", args.market, f"is not one of {', '.join(MARKETS)}", "spot for a Spot VM, on-demand else")
     replicas_of(args)
     _whole(args.peer_port, "--peer-port", "a TCP port, e.g. 7071 (0: any free one)", 0, 65535)
     if args.peer_memory_limit is not None:

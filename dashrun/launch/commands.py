@@ -455,8 +455,10 @@ def resume(job, job_id, dry_run, operator_pubkey, memd, token_file) -> None:
     spec.verify(job_id, public)
     SeenSpecs(resumed_home()).check(job_id, spec.created, remember=not dry_run)
     tls = tls_settings()
-    # A --failure-domain in the stored command line names the node that launched the job, not this one.
+    # A --failure-domain (--instance-type, --market) in the stored command line names the node that launched the
+    # job, not this one.
     overrides = {"job_id": job_id, "fresh": False, "operator_key": None, "failure_domain": env.get(env.FAILURE_DOMAIN),
+                 "instance_type": env.get(env.INSTANCE_TYPE), "market": env.get(env.MARKET),
                  "no_tls": tls.plaintext, "tls_ca": tls.ca,
                  "tls_fingerprint": format_fingerprint(tls.fingerprint) if tls.fingerprint else None}
     if memd is not None:

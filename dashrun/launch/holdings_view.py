@@ -6,8 +6,8 @@ what they hold (:mod:`dashrun.memd.fleet.holdings`); see docs/replicas.md.
 
 from __future__ import annotations
 
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.holdings import NodeView
-from dashrun.wire.messages import FailureDomain
 
 __all__ = ["holdings_lines"]
 

@@ -33,7 +33,7 @@ from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_size
 from dashrun.version import __version__
 from dashrun.wire.credentials import Credential
-from dashrun.wire.messages import FailureDomain
+from dashrun.wire.domain import MARKETS, FailureDomain, parse_instance_type
 from dashrun.wire.operator import load_private_key
 from dashrun.wire.protocol import valid_job_id
 from dashrun.wire.tls import TlsSettings
@@ -76,6 +76,8 @@ NAMES: dict[str, OptionName] = {name.dest: name for name in (
     OptionName("metadata_endpoint", ("--metadata-endpoint", "--metadata_endpoint")),
     OptionName("poll_interval", ("--poll-interval", "--poll_interval")),
     OptionName("failure_domain", ("--failure-domain", "--failure_domain")),
+    OptionName("instance_type", ("--instance-type", "--instance_type")),
+    OptionName("market", ("--market",)),
     OptionName("replicas", ("--replicas",)),
     OptionName("peer_port", ("--peer-port", "--peer_port")),
     OptionName("peer_memory_limit", ("--peer-memory-limit", "--peer_memory_limit")),
@@ -114,6 +116,8 @@ class LaunchOptions:
     metadata_endpoint: str | None = None
     poll_interval: float | None = None
     failure_domain: FailureDomain | None = None  # None: dash-agent reads it from the metadata service
+    instance_type: str | None = None  # None: the metadata service's (or --failure-domain's pool)
+    market: str | None = None  # spot, on-demand; None: as for instance_type
     tls: TlsSettings = TlsSettings()
     agent_cpus: AgentCpus = AUTO  # where dash-agent runs: auto, none or its CPUs (dashrun.launch.placement)
     operator_key: Path | None = None  # signs the launch spec (dashrun.wire.operator)
@@ -134,6 +138,7 @@ class LaunchOptions:
         given = [("--metadata-endpoint", self.metadata_endpoint),
                  ("--poll-interval", self.poll_interval and str(self.poll_interval)),
                  ("--failure-domain", self.failure_domain and self.failure_domain.label),
+                 ("--instance-type", self.instance_type), ("--market", self.market),
                  ("--replicas", str(self.replicas)),
                  ("--peer-port", None if self.peer_port is None else str(self.peer_port)),
                  ("--peer-memory-limit", self.peer_memory_limit)]
@@ -181,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    help=f"this node's failure domain, which replicas of its state are placed away "
                                         f"from (env {env.FAILURE_DOMAIN.name}; default: the zone, instance type and "
                                         "market the metadata service gives, e.g. us-east-1a/g5.12xlarge:spot).")
+    NAMES["instance_type"].add_to(group, default=env.get(env.INSTANCE_TYPE), metavar="TYPE",
+                                  help=f"this node's instance type, which dashrun report prices its hours by (env "
+                                       f"{env.INSTANCE_TYPE.name}; default: the metadata service's, e.g. "
+                                       "g5.12xlarge).")
+    NAMES["market"].add_to(group, default=env.get(env.MARKET), choices=MARKETS,
+                           help=f"whether this node is a Spot VM (env {env.MARKET.name}; default: the metadata "
+                                "service says).")
     NAMES["replicas"].add_to(group, type=int, default=env.get(env.REPLICAS), metavar="R",
                              help=f"other nodes that keep a copy of each node's newest snapshot in their dash-agent's "
                                   f"memory, in another zone and pool first (env {env.REPLICAS.name}; default 1 on two "
@@ -345,7 +357,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
                   peer_memory_limit=args.peer_memory_limit,
                   data_cache=Path(args.data_cache).expanduser().absolute() if args.data_cache else None,
                   data_cache_limit=_data_cache_limit(args.data_cache_limit),
-                  failure_domain=FailureDomain.parse(args.failure_domain) if args.failure_domain else None)
+                  failure_domain=FailureDomain.parse(args.failure_domain) if args.failure_domain else None,
+                  instance_type=parse_instance_type(args.instance_type), market=args.market)
     if args.memd is None:
         require_shared_memd(args, max_nodes(args), "nodes")
         return LaunchOptions(memd=None, token_file=None, **common)

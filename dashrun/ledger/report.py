@@ -30,8 +30,9 @@ from collections import defaultdict
 from typing import Sequence
 
 from dashrun.errors import UsageError
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.history import RunHistory
-from dashrun.wire.messages import FailureDomain, MembershipEvent
+from dashrun.wire.messages import MembershipEvent
 
 __all__ = ["UNKNOWN", "Stay", "compute", "stays"]
 

@@ -24,7 +24,8 @@ import math
 from typing import Any
 
 from dashrun.errors import ProtocolError
-from dashrun.wire.messages import FailureDomain, ShardHeader
+from dashrun.wire.domain import FailureDomain
+from dashrun.wire.messages import ShardHeader
 from dashrun.wire.protocol import MAX_STEP, MAX_WORLD, field_float, field_int
 
 __all__ = ["MAX_HISTORY_NODES", "MAX_POINTS", "Restored", "RunHistory"]

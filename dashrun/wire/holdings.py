@@ -20,7 +20,8 @@ import re
 from typing import Any, Mapping
 
 from dashrun.errors import ProtocolError
-from dashrun.wire.messages import CheckpointInfo, FailureDomain, ShardHeader
+from dashrun.wire.domain import FailureDomain
+from dashrun.wire.messages import CheckpointInfo, ShardHeader
 from dashrun.wire.protocol import MAX_WORLD, field_bool, field_int, field_job, field_str
 
 __all__ = ["ANNOUNCE_PERIOD", "Announced", "Located", "HOLDINGS_TTL", "MAX_HELD", "MAX_MEMBERS", "HeldShard", "Holder",

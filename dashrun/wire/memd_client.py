@@ -19,6 +19,7 @@ from dashrun.errors import ChecksumError, DashError, NotFoundError, ProtocolErro
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address
 from dashrun.wire.channel import Channel, Frame
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.history import Restored, RunHistory
 from dashrun.wire.holdings import MAX_MEMBERS, Announced, Holdings, Located, Member, NodeView, holders_from_body
 from dashrun.wire.link import Link
@@ -29,7 +30,6 @@ from dashrun.wire.messages import (
     MAX_STORE_VALUE,
     MAX_STORE_WAIT,
     CheckpointInfo,
-    FailureDomain,
     JobSpec,
     MembershipEvent,
     Notice,

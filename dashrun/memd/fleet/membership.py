@@ -57,8 +57,9 @@ from typing import Any, Callable
 from dashrun.errors import ConflictError, NoSpaceError, ProtocolError
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.util.files import write_atomic
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.history import Restored, RunHistory
-from dashrun.wire.messages import FailureDomain, MembershipEvent, ShardHeader
+from dashrun.wire.messages import MembershipEvent, ShardHeader
 from dashrun.wire.protocol import MAX_STEP, field_int, valid_job_id
 
 __all__ = ["HISTORY_SAVE_PERIOD", "MAX_EVENTS", "MAX_MEMBERSHIP_JOBS", "MEMBERSHIP", "MIRROR_PERIOD", "Membership"]

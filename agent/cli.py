@@ -19,7 +19,7 @@ from dashrun.agent.service import AgentServer
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode
 from dashrun.util.console import log_options, run_click, setup_logging
-from dashrun.util.metrics import parse_metrics_listen
+from dashrun.util.metrics import metrics_access_options, metrics_settings
 from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token
 from dashrun.util.units import parse_address, parse_size
@@ -97,10 +97,12 @@ log = logging.getLogger(PROGRAM)
 @click.option("--metrics-listen", envvar=env.AGENT_METRICS_LISTEN.name, show_envvar=True, default=None,
               metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST left out: "
                                          "loopback; docs/metrics.md names them).")
+@metrics_access_options
 @log_options
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
         metadata_endpoint, poll_interval, failure_domain, instance_type, market, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
-        peer_port, peer_memory_limit, node, peers, metrics_listen, log_level, log_format) -> None:
+        peer_port, peer_memory_limit, node, peers, metrics_listen, metrics_tls_cert, metrics_tls_key, metrics_token_file,
+        log_level, log_format) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level, log_format, job=job_id)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
@@ -114,7 +116,7 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          replicas=replicas, peer_port=peer_port,
                          peer_memory_limit=None if peer_memory_limit is None else parse_size(peer_memory_limit),
                          peers=tuple(_peer(text) for text in peers),
-                         metrics=parse_metrics_listen(metrics_listen) if metrics_listen else None,
+                         metrics=metrics_settings(metrics_listen, metrics_tls_cert, metrics_tls_key, metrics_token_file),
                          **({"node": node} if node else {}))
     sys.exit(run(config))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dashrun.env import DEFAULT_PEER_PORT, PreemptionRecord
 from dashrun.errors import UsageError
+from dashrun.util.metrics import MetricsSettings
 from dashrun.wire.domain import FailureDomain
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.tls import TlsSettings
@@ -68,8 +69,8 @@ class AgentConfig:
     peer_memory_limit: int | None = None
     #: (node, host, port) of the agents this node's replicas go to, given by hand (tests: --peer)
     peers: tuple[tuple[str, str, int], ...] = ()
-    #: (host, port) of the Prometheus /metrics endpoint (--metrics-listen); None: none served
-    metrics: tuple[str, int] | None = None
+    #: the Prometheus /metrics endpoint (--metrics-listen, its TLS and token); None: none served
+    metrics: MetricsSettings | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 0:

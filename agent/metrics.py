@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from dashrun.util.metrics import MetricsEndpoint
+from dashrun.util.metrics import MetricsEndpoint, MetricsSettings
 from dashrun.wire.messages import Notice
 
 __all__ = ["AgentMetrics", "SAVE_BUCKETS"]
@@ -50,8 +50,8 @@ class AgentMetrics:
             self._saves.labels(outcome=outcome)
         self._endpoint: MetricsEndpoint | None = None
 
-    def serve(self, host: str, port: int) -> tuple[str, int]:
-        self._endpoint = MetricsEndpoint(self.registry, host, port, program="dash-agent")
+    def serve(self, settings: MetricsSettings) -> tuple[str, int]:
+        self._endpoint = MetricsEndpoint(self.registry, settings, program="dash-agent")
         return self._endpoint.address
 
     def close(self) -> None:

@@ -258,7 +258,7 @@ class AgentServer:
         if self.config.job is not None:
             self._start_peers()  # first: a port it cannot have is the agent's error at start
         if self.config.metrics is not None:
-            self.metrics.serve(*self.config.metrics)
+            self.metrics.serve(self.config.metrics)
         path = self.config.socket_path
         if self.config.listen_fd is None:
             listener = private_listener(path)  # for this user's ranks only

@@ -71,6 +71,12 @@ METRICS_LISTEN = Var("DASH_METRICS_LISTEN", "HOST:PORT dash-memd serves Promethe
 AGENT_METRICS_LISTEN = Var("DASH_AGENT_METRICS_LISTEN", "HOST:PORT dash-agent serves Prometheus /metrics on (a "
                            "HOST left out: loopback); its own twin, so that a launcher's private dash-memd beside "
                            "it does not take the same port", "user", "dash-agent")
+METRICS_TLS_CERT = Var("DASH_METRICS_TLS_CERT", "PEM certificate (chain, leaf first) /metrics is served over HTTPS "
+                       "with", "user", "dash-memd, dash-agent")
+METRICS_TLS_KEY = Var("DASH_METRICS_TLS_KEY", "the unencrypted PEM key of DASH_METRICS_TLS_CERT (default: in its "
+                      "file)", "user", "dash-memd, dash-agent")
+METRICS_TOKEN_FILE = Var("DASH_METRICS_TOKEN_FILE", "file with the bearer token a scrape of /metrics must show",
+                         "user", "dash-memd, dash-agent")
 MEMD_WAIT = Var("DASH_MEMD_WAIT", "seconds a launch waits for an unreachable dash-memd (it may be restarting)", "user",
                 "dashrun")
 MEMD_TIMEOUT = Var("DASH_MEMD_TIMEOUT", "seconds a request to dash-memd may stay silent", "user", "dash-agent")
@@ -154,7 +160,7 @@ ALL: tuple[Var, ...] = (
     MEMD, TOKEN_FILE, JOB_ID, FRESH, CLOUD, METADATA_ENDPOINT, POLL_INTERVAL, FAILURE_DOMAIN, INSTANCE_TYPE, MARKET,
     AGENT_SOCKET, LISTEN, DATA_DIR, MEMORY_LIMIT, KEEP_RAM, KEEP_DISK, S3, KEEP_OBJECT, HOSTFILE, SSH_CONFIG,
     REMOTE_PYTHON, LOG_LEVEL, LOG_FORMAT,
-    METRICS_LISTEN, AGENT_METRICS_LISTEN, MEMD_WAIT,
+    METRICS_LISTEN, AGENT_METRICS_LISTEN, METRICS_TLS_CERT, METRICS_TLS_KEY, METRICS_TOKEN_FILE, MEMD_WAIT,
     MEMD_TIMEOUT, DRAIN_TIMEOUT, PARENT_PID, AGENT_LISTEN_FD, UPLOAD_QUEUE, MAX_CONNECTIONS, MAX_UNAUTHENTICATED,
     AUTH_TIMEOUT, IDLE_TIMEOUT, SHUTDOWN_TIMEOUT, READY_FILE, TOKEN_OUT, NO_TLS, NO_PREFETCH, TLS_CERT, TLS_KEY,
     TLS_CA, AGENT_CPUS, TLS_FINGERPRINT, INSECURE_PLAINTEXT, ELASTIC, GENERATION, MEMBERSHIP, TERM_GRACE, TOKEN_JOB,

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -16,11 +17,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashrun.errors import ForbiddenError
+from dashrun.errors import ForbiddenError, UsageError
 from dashrun.testing.agent import TEST_OPTIONS, Agent
 from dashrun.testing.processes import free_port, wait_for
 from dashrun.util.console import JsonFormatter
-from dashrun.util.metrics import parse_metrics_listen
+from dashrun.util.metrics import metrics_settings, parse_metrics_listen
 from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.memd_client import MemdClient
 from dashrun.wire.messages import MembershipEvent, Notice, NoticeKind, ShardHeader
@@ -133,6 +134,67 @@ def test_a_metrics_address_binds_to_loopback_unless_one_is_named():
     assert parse_metrics_listen(":9100") == ("127.0.0.1", 9100)
     assert parse_metrics_listen("0.0.0.0:9100") == ("0.0.0.0", 9100)
     assert parse_metrics_listen("[::1]:9100") == ("::1", 9100)
+
+
+def https_scrape(address: str, ca: Path, token: str | None) -> tuple[int, str]:
+    """GET https://address/metrics verified against ``ca``, with ``token`` as its bearer: (status, body)."""
+    import ssl
+    import urllib.error
+
+    context = ssl.create_default_context(cafile=str(ca))
+    request = urllib.request.Request(f"https://{address}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_over_https_ask_for_the_bearer_token_and_a_silent_client_holds_up_no_scrape(memd_factory, tmp_path):
+    from test_tls import make_ca, make_server_cert
+
+    ca = make_ca(tmp_path, "metrics-ca")
+    cert, key = make_server_cert(tmp_path, ca)
+    token_file = tmp_path / "metrics.token"
+    token = os.urandom(32).hex()
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    port = free_port()
+    memd_factory("--metrics-listen", str(port), "--metrics-tls-cert", str(cert), "--metrics-tls-key", str(key),
+                 "--metrics-token-file", str(token_file))
+    address = f"127.0.0.1:{port}"
+    silent = socket.create_connection(("127.0.0.1", port), timeout=10)  # connects, never says hello
+    try:
+        status, body = https_scrape(address, ca[2], token)
+        assert status == 200
+        assert any(f.name == "dash_memd_memory_limit_bytes" for f in text_string_to_metric_families(body))
+        for wrong in (None, "0" * 64, token + "0"):
+            status, body = https_scrape(address, ca[2], wrong)
+            assert status == 401 and "dash_memd" not in body, wrong
+        with pytest.raises(OSError):  # plain HTTP gets no metrics from a TLS endpoint
+            urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read()
+    finally:
+        silent.close()
+
+
+def test_metrics_tls_and_token_mistakes_are_one_line_usage_errors(tmp_path, token_file):
+    loose = tmp_path / "loose.token"
+    loose.write_text(os.urandom(32).hex())
+    loose.chmod(0o644)
+    for given, says in (({"tls_cert": str(tmp_path / "none.pem")}, "cannot load --metrics-tls-cert"),
+                        ({"tls_key": str(loose)}, "--metrics-tls-key needs --metrics-tls-cert"),
+                        ({"token_file": str(loose)}, "is open to group or others")):
+        with pytest.raises(UsageError, match=says):
+            metrics_settings("9100", **given)
+    assert metrics_settings(None, token_file=str(loose)) is None  # no endpoint: its twins' values are not read
+    # dash-agent reads them too, from its twins as dashrun hands them on
+    agent = subprocess.run([sys.executable, "-m", "dashrun.agent", "--memd", "127.0.0.1:1", "--token-file",
+                            str(token_file), "--socket", str(tmp_path / "a.sock"), "--cloud", "none"],
+                           env={**os.environ, "DASH_AGENT_METRICS_LISTEN": "9100", "DASH_METRICS_TLS_KEY": str(loose)},
+                           capture_output=True, text=True, timeout=60)
+    assert agent.returncode == 2
+    assert agent.stderr.splitlines()[0] == "dash-agent: error: --metrics-tls-key needs --metrics-tls-cert"
 
 
 COMMANDS = {

@@ -18,7 +18,7 @@ from dashrun import env
 from dashrun.env import DEFAULT_PORT
 from dashrun.errors import ExitCode, UsageError
 from dashrun.memd.config import MemdConfig, default_memory_limit
-from dashrun.util.metrics import parse_metrics_listen
+from dashrun.util.metrics import metrics_access_options, metrics_settings
 from dashrun.util.console import log_options, run_click, setup_logging
 from dashrun.util.signals import PARENT_GONE, block_stop_signals, wait_for_stop
 from dashrun.util.tokens import read_token, write_token
@@ -105,6 +105,7 @@ def cli() -> None:
 @click.option("--metrics-listen", envvar=env.METRICS_LISTEN.name, show_envvar=True, default=None,
               metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST left out: "
                                          "loopback; docs/metrics.md names them).")
+@metrics_access_options
 @log_options
 def start(**options) -> None:
     """Run dash-memd in the foreground until SIGTERM or SIGINT."""
@@ -178,10 +179,11 @@ def config_from_options(*, listen: str, data_dir: str, memory_limit: str | None,
                         tls_key: str | None = None, max_unauthenticated: int = 32,
                         parent_pid: int | None = None, insecure_plaintext: bool = False,
                         data_cache: str | None = None, data_cache_limit: str | None = None,
-                        metrics_listen: str | None = None) -> MemdConfig:
+                        metrics_listen: str | None = None, metrics_tls_cert: str | None = None,
+                        metrics_tls_key: str | None = None, metrics_token_file: str | None = None) -> MemdConfig:
     """The options of ``dash-memd start`` as a config; raises UsageError."""
     host, port = parse_address(listen, default_port=DEFAULT_PORT, what="--listen")
-    metrics = parse_metrics_listen(metrics_listen) if metrics_listen else None
+    metrics = metrics_settings(metrics_listen, metrics_tls_cert, metrics_tls_key, metrics_token_file)
     return MemdConfig(
         host=host, port=port, data_dir=Path(data_dir),
         memory_limit=_memory_limit(memory_limit),

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from dashrun.errors import UsageError
+from dashrun.util.metrics import MetricsSettings
 
 __all__ = ["V1_UNLIMITED", "MemdConfig", "cgroup_memory_limit", "default_memory_limit", "loopback"]
 
@@ -68,8 +69,8 @@ class MemdConfig:
     #: the process that started this one (dashrun's private dash-memd: the launcher); once it is gone, dash-memd
     #: stops as on SIGTERM, its disk writes finished first (None: it runs until told to stop)
     parent_pid: int | None = None
-    #: (host, port) of the Prometheus /metrics endpoint (--metrics-listen); None: none served
-    metrics: tuple[str, int] | None = None
+    #: the Prometheus /metrics endpoint (--metrics-listen, its TLS and token); None: none served
+    metrics: MetricsSettings | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dashrun.util.metrics import MetricsEndpoint
+from dashrun.util.metrics import MetricsEndpoint, MetricsSettings
 from dashrun.wire.protocol import Kind
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class MemdMetrics:
     :meth:`handled` are safe from any thread and never block (a commit calls the first with the catalogue's
     lock held)."""
 
-    def __init__(self, server: MemdServer, host: str, port: int):
+    def __init__(self, server: MemdServer, settings: MetricsSettings):
         self.registry = CollectorRegistry()
         self._committed = Counter("dash_memd_checkpoints_committed", "Checkpoints committed (every rank's shard "
                                   "arrived and verified), per job.", ["job"], registry=self.registry)
@@ -57,7 +57,7 @@ class MemdMetrics:
                                 "cloud.", ["job", "cloud"], registry=self.registry)
         self.registry.register(ServerState(server))
         server.catalogue.receiver.on_commit = self.committed
-        self._endpoint = MetricsEndpoint(self.registry, host, port, program="dash-memd")
+        self._endpoint = MetricsEndpoint(self.registry, settings, program="dash-memd")
         self.address = self._endpoint.address
 
     def close(self) -> None:

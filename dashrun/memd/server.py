@@ -119,7 +119,7 @@ class MemdServer:
         self.fleet.load()
         if self.config.metrics is not None:  # prometheus-client only when asked for
             from dashrun.memd.metrics import MemdMetrics
-            self.metrics = MemdMetrics(self, *self.config.metrics)
+            self.metrics = MemdMetrics(self, self.config.metrics)
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

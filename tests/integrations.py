@@ -56,13 +56,13 @@ def assert_resumed_as_uninterrupted(reference: Path, out: Path, ranks=(0, 1)) ->
         assert max(done[-1]) == max(expected), f"rank {rank}: the last run ended at step {max(done[-1])}"
 
 
-def reference_run(program: Path, out: Path) -> Path:
+def reference_run(program: Path, out: Path, *extra: str) -> Path:
     """An uninterrupted run under plain torchrun (the callback is off: no dashrun in the launch), tried once more
     after torch's rare abort in its own teardown (runs.reference_run)."""
     import runs as job_runs
 
     result = job_runs.reference_run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                     str(program), "--out", str(out)], env=ENV)
+                                     str(program), "--out", str(out), *extra], env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -80,12 +80,12 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
 
 
 def notice_kill_and_resume(memd: Memd, program: Path, out: Path, job: str, fake, steps_per_epoch: int,
-                           every: int = 5) -> tuple[int, int]:
+                           every: int = 5, extra: tuple[str, ...] = ()) -> tuple[int, int]:
     """Three runs of one job, checkpointing every ``every`` steps: a cloud notice mid-epoch stops the first
     (exit 75, the step committed on every rank); the relaunch is SIGKILLed whole (launcher, ranks, dash-agent)
     a few steps after a periodic checkpoint; the next relaunch finishes. Returns (the notice's step, the step the
-    third run resumed after)."""
-    job_args = [str(program), "--out", str(out), "--every", str(every)]
+    third run resumed after). ``extra``: the program's own further arguments."""
+    job_args = [str(program), "--out", str(out), "--every", str(every), *extra]
     proc = _launch(dashrun_cmd(memd, "--cloud", "aws", "--metadata-endpoint", fake.url, "--poll-interval", "0.2",
                                *job_args, "--delay", "0.1", job=job))
     wait_for(lambda: last_step(out) >= steps_per_epoch + 1 or proc.poll() is not None, 240,

@@ -9,6 +9,8 @@ the fit loop's state holds), and Lightning's ModelCheckpoint keeps saving beside
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import REPO, load_fake_metadata
 from integrations import assert_resumed_as_uninterrupted, notice_kill_and_resume, reference_run, runs
@@ -32,3 +34,16 @@ def test_a_notice_mid_epoch_and_a_kill_both_resume_as_an_uninterrupted_fit(memd,
         fake.stop()
     assert_resumed_as_uninterrupted(reference, tmp_path / "out")
     assert (tmp_path / "out" / "lightning" / "last.ckpt").exists()  # Lightning's ModelCheckpoint, beside it
+
+
+def test_fsdp2_under_the_model_parallel_strategy_resumes_as_an_uninterrupted_fit(memd, tmp_path):
+    reference = reference_run(PROGRAM, tmp_path / "reference", "--strategy", "fsdp2")
+    fake = load_fake_metadata().FakeMetadata("aws").start()
+    try:
+        notice_kill_and_resume(memd, PROGRAM, tmp_path / "out", "lightning-fsdp2", fake, STEPS_PER_EPOCH,
+                               extra=("--strategy", "fsdp2"))
+    finally:
+        fake.stop()
+    assert_resumed_as_uninterrupted(reference, tmp_path / "out")
+    for rank in (0, 1):  # every run trained (and restored) FSDP2's sharded parameters, not replicated ones
+        assert set(re.findall(r"^sharded (\w+)$", (tmp_path / "out" / f"rank{rank}.log").read_text(), re.M)) == {"True"}

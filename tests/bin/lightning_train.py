@@ -25,8 +25,20 @@ class Tiny(pl.LightningModule):
 
     def on_fit_start(self):  # after the callbacks' on_fit_start: DashrunCheckpoint has restored
         dash = next(cb for cb in self.trainer.callbacks if isinstance(cb, DashrunCheckpoint))
+        from torch.distributed.tensor import DTensor
+
         with open(self.log_path, "a") as log:
             log.write(f"start {dash.restored_step}\n")
+            log.write(f"sharded {all(isinstance(p, DTensor) for p in self.parameters())}\n")
+
+    def configure_model(self):  # with --strategy fsdp2 (ModelParallelStrategy): FSDP2 over the data-parallel mesh
+        if self.device_mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[3]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -51,6 +63,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
     os.makedirs(args.out, exist_ok=True)
@@ -70,7 +83,10 @@ def main():
     dash = DashrunCheckpoint(every_n_steps=args.every)
     keep = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "lightning"), every_n_train_steps=7,
                                         save_last=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), strategy="ddp",
+    strategy = "ddp"
+    if args.strategy == "fsdp2":  # Lightning's FSDPStrategy (FSDP1) needs CUDA; ModelParallelStrategy runs on CPU
+        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), strategy=strategy,
                          max_epochs=args.epochs, callbacks=[dash, keep], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, deterministic=True)
     trainer.fit(model, loader)

@@ -43,6 +43,8 @@ from dashrun.agent.peers.placement import Member as Placed
 from dashrun.agent.peers.placement import choose_holders
 from dashrun.agent.peers.replicas import Peer, Replicator
 from dashrun.agent.peers.server import PeerServer
+from dashrun.data.files import cache_from_env
+from dashrun.data.objects import ObjectServer
 from dashrun.agent.peers.store import Store
 from dashrun.agent.pollers import Poller, make_poller
 from dashrun.agent.ranks import MAX_HELPERS, RankConnection, Staged
@@ -79,6 +81,8 @@ class AgentServer:
         #: per saved rank, the peers that hold its shard of a checkpoint a restore reads (by default: --peer)
         self.restore_holders: Callable[[CheckpointInfo], dict[int, list[Peer]]] = self._given_holders
         self.peer_server: PeerServer | None = None
+        #: the node's data set cache (DASH_DATA_CACHE, as dashrun hands it on), served to the job's other nodes
+        self.data = ObjectServer(cache_from_env)
         self.replicator: Replicator | None = None
         self.announcer: Announcer | None = None
         self._feeds: dict[RankConnection, MemdFeed] = {}  # per rank's connection: dash-memd fed from the store
@@ -172,7 +176,7 @@ class AgentServer:
         if config.replicas <= 0 or self.store is None:
             return
         host = config.peer_host or outbound_address(config.memd_host, config.memd_port)
-        self.peer_server = PeerServer(self.store, self._job_credential(), host, config.peer_port)
+        self.peer_server = PeerServer(self.store, self._job_credential(), host, config.peer_port, data=self.data)
         try:
             self.peer_server.start()
         except UsageError as e:
@@ -180,7 +184,7 @@ class AgentServer:
                 raise  # a port the user chose, that this agent cannot have: its error at start
             # The default taken (another node's agent on this machine): any port does, since the job's other
             # agents learn it from dash-memd's registry.
-            self.peer_server = PeerServer(self.store, self._job_credential(), host, 0)
+            self.peer_server = PeerServer(self.store, self._job_credential(), host, 0, data=self.data)
             self.peer_server.start()
             log.warning("%s; listening for peers on port %d instead", e.message, self.peer_server.port)
         self.replicator = Replicator(self.store, config.node, config.replicas, lambda: self.holders(),

@@ -18,6 +18,9 @@ cluster's token, is refused), then sealed records. Requests, one at a time:
   the bytes as data, their trailer the CRC-32C of the bytes as they arrived
   (from the shard's marks, :mod:`dashrun.wire.blocks`), so bytes changed in this
   agent's memory fail at the reader; NotFoundError when not held.
+- ``DATA_OBJECT_GET``, ``DATA_OBJECT_PUT``: the node's data set cache, read
+  by the job's other nodes and given second copies by them, as dash-memd's
+  is (:class:`dashrun.data.objects.ObjectServer`).
 
 Every field is bounded before use. At most ``max_connections`` connections are
 served at once, and of them at most ``max_unauthenticated`` still logging in,
@@ -34,6 +37,7 @@ import threading
 import time
 
 from dashrun.agent.peers.store import Store
+from dashrun.data.objects import ObjectServer, object_request
 from dashrun.errors import DashError, ForbiddenError, NotFoundError, ProtocolError, UnavailableError, UsageError
 from dashrun.util.problems import ProblemLog
 from dashrun.wire import blocks
@@ -76,10 +80,12 @@ class PeerServer:
     """Serves ``store`` to the agents of ``credential``'s job on ``host:port`` (0: any free port)."""
 
     def __init__(self, store: Store, credential: Credential, host: str, port: int, *, max_connections: int = 64,
-                 max_unauthenticated: int = 16, auth_timeout: float = 10.0, idle_timeout: float = 300.0):
+                 max_unauthenticated: int = 16, auth_timeout: float = 10.0, idle_timeout: float = 300.0,
+                 data: ObjectServer | None = None):
         if credential.job is None:
             raise ValueError("the peer link needs a job's credential")
         self.store, self.credential = store, credential
+        self.data = data  # the node's data set cache, served to the job's other nodes (None: not served)
         self.job = credential.job
         self.host, self.port = host, port
         self.max_connections, self.max_unauthenticated = max_connections, max_unauthenticated
@@ -194,6 +200,8 @@ class PeerServer:
                         self._put(ch, frame)
                     elif frame.kind == Kind.REPLICA_GET:
                         self._get(ch, frame)
+                    elif frame.kind in (Kind.DATA_OBJECT_GET, Kind.DATA_OBJECT_PUT) and not frame.data_len:
+                        self._data(ch, frame)
                     elif frame.kind == Kind.PING and not frame.data_len:
                         ch.send(Kind.OK, {})
                     else:
@@ -212,6 +220,13 @@ class PeerServer:
         finally:
             self._forget(sock, logging_in=logging_in)
             ch.close()
+
+    def _data(self, ch: Channel, frame: Frame) -> None:
+        if self.data is not None:
+            self.data.handlers()[frame.kind](ch, frame)
+        else:  # this node serves no data cache: it holds nothing and takes nothing
+            object_request(frame.body)
+            ch.send(Kind.OK, {"found": False} if frame.kind == Kind.DATA_OBJECT_GET else {"accept": False})
 
     def _put(self, ch: Channel, frame: Frame) -> None:
         header, owner, committed = replica_put_request(frame.body)

@@ -185,8 +185,10 @@ class CachedFiles:
         if self._source is not None:
             self._source.close()
             self._source = None
-        if self._owns_remote and self._remote is not None and hasattr(self._remote, "close"):
-            self._remote.close()
+        if self._owns_remote:  # the links from_env made: dash-memd's, the peers'
+            for closable in {id(p): p for p in (self._remote, *(p for _name, p in self._providers))}.values():
+                if hasattr(closable, "close"):
+                    closable.close()
 
     def __enter__(self) -> CachedFiles:
         return self

@@ -147,12 +147,15 @@ class Member:
 @dataclasses.dataclass(frozen=True)
 class NodeView:
     """A node's holdings as ``dashrun status`` shows them: its failure domain, the copies it keeps of its own
-    shards elsewhere (``replicas``), and for each step it holds, whose shards (node names)."""
+    shards elsewhere (``replicas``), and for each step it holds, whose shards (node names); where its agent
+    listens for the job's other nodes (``port`` 0: nowhere), which read its data set cache there."""
 
     node: str
     domain: FailureDomain | None
     replicas: int
     steps: dict[int, list[str]]
+    host: str = ""
+    port: int = 0
 
     @classmethod
     def from_body(cls, body: Any) -> NodeView:
@@ -164,7 +167,9 @@ class NodeView:
                     or len(owners) > MAX_MEMBERS:
                 raise ProtocolError("a node's holdings list, per step, the nodes whose shards it holds")
             steps[int(step)] = [field_node({"owner": owner}, "owner") for owner in owners]
-        return cls(field_node(body), field_domain(body), field_int(body, "replicas", 0, MAX_WORLD), steps)
+        host = field_str(body, "host", 255, _HOST) if body.get("host") else ""
+        return cls(field_node(body), field_domain(body), field_int(body, "replicas", 0, MAX_WORLD), steps, host,
+                   field_int(body, "port", 0, 65535) if host else 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """One logged-in connection to a dashrun server, requests one at a time: what dash-memd's and the peer link's
-clients share.
+clients share, the data set cache's objects among it (both serve them: :mod:`dashrun.data.objects`).
 
 The connection is made on the first request (TLS unless the settings say plaintext, then the login:
 :mod:`dashrun.wire.auth`). A connection the server closed while it idled (its idle timeout, a restart) is
@@ -16,6 +16,7 @@ from typing import Callable, TypeVar
 from dashrun.errors import ProtocolError, UnavailableError
 from dashrun.wire.auth import client_handshake
 from dashrun.wire.channel import Channel
+from dashrun.wire.protocol import Kind, field_bool
 from dashrun.wire.tls import TlsSettings, connect
 
 __all__ = ["Link"]
@@ -94,3 +95,31 @@ class Link:
             except self.drop_on:
                 self.close()
                 raise
+
+    def data_object(self, url: str, info: dict, nbytes: int) -> tuple[str, bytes] | None:
+        """(SHA-256, bytes) of the listed object ``info`` (an ObjectInfo's JSON) of ``url`` from the server's data
+        cache (dash-memd's, a peer agent's node's), or None where it holds none."""
+        def run(ch: Channel) -> tuple[str, bytes] | None:
+            reply = ch.call(Kind.DATA_OBJECT_GET, {"url": url, "object": info}, max_data=nbytes)
+            if not field_bool(reply.body, "found"):
+                return None
+            if reply.data_len != nbytes:
+                raise ProtocolError("DATA_OBJECT_GET answered another length than the object's")
+            sha256 = reply.body.get("sha256")
+            data = ch.recv_data(reply)
+            if not isinstance(sha256, str) or len(sha256) != 64:
+                raise ProtocolError("malformed DATA_OBJECT_GET reply")
+            return sha256, data
+        return self._request(run)
+
+    def put_data_object(self, url: str, info: dict, sha256: str, data: bytes) -> bool:
+        """Offer an object to the server's data cache; whether it took it (False: it holds it, keeps none, or has
+        no room)."""
+        def run(ch: Channel) -> bool:
+            reply = ch.call(Kind.DATA_OBJECT_PUT, {"url": url, "object": info, "sha256": sha256})
+            if not field_bool(reply.body, "accept"):
+                return False
+            ch.send(Kind.DATA_OBJECT_BYTES, data=[data])
+            ch.expect_reply()
+            return True
+        return self._request(run)

@@ -232,33 +232,6 @@ class MemdClient(Link):
             ch.expect_reply()
         self._request(run)
 
-    def data_object(self, url: str, info: dict, nbytes: int) -> tuple[str, bytes] | None:
-        """(SHA-256, bytes) of the listed object ``info`` (an ObjectInfo's JSON) of ``url`` from dash-memd's data
-        cache, or None where it holds none."""
-        def run(ch: Channel) -> tuple[str, bytes] | None:
-            reply = ch.call(Kind.DATA_OBJECT_GET, {"url": url, "object": info}, max_data=nbytes)
-            if not field_bool(reply.body, "found"):
-                return None
-            if reply.data_len != nbytes:
-                raise ProtocolError("DATA_OBJECT_GET answered another length than the object's")
-            sha256 = reply.body.get("sha256")
-            data = ch.recv_data(reply)
-            if not isinstance(sha256, str) or len(sha256) != 64:
-                raise ProtocolError("malformed DATA_OBJECT_GET reply")
-            return sha256, data
-        return self._request(run)
-
-    def put_data_object(self, url: str, info: dict, sha256: str, data: bytes) -> bool:
-        """Offer an object to dash-memd's data cache; whether it took it (False: it holds it, or keeps none)."""
-        def run(ch: Channel) -> bool:
-            reply = ch.call(Kind.DATA_OBJECT_PUT, {"url": url, "object": info, "sha256": sha256})
-            if not field_bool(reply.body, "accept"):
-                return False
-            ch.send(Kind.DATA_OBJECT_BYTES, data=[data])
-            ch.expect_reply()
-            return True
-        return self._request(run)
-
     def delete(self, job: str, keep: int = 0, *, force_live: bool = False) -> list[int]:
         """Delete a job's checkpoints but the newest ``keep`` (0: everything, launch spec included). The whole job
         is refused (ConflictError) while nodes of it are alive, unless ``force_live``."""

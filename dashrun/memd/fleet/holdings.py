@@ -141,7 +141,8 @@ class Registry:
                 steps.setdefault(copy.shard.step, set()).add(copy.owner)
             domain = entry.holdings.domain
             view.append({"node": node, "domain": domain.to_body() if domain else None,
-                         "replicas": entry.holdings.replicas,
+                         "replicas": entry.holdings.replicas, "host": entry.holdings.host,
+                         "port": entry.holdings.port,
                          "steps": {str(step): sorted(owners) for step, owners in sorted(steps.items())}})
         return view
 

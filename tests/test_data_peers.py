@@ -9,13 +9,17 @@ empty cache reads every object from n1's and n2's agents, spread over both, and 
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 
 import pytest
 from conftest import wait_for
 
 from dashrun.data.cache import Cache
 from dashrun.data.files import CachedFiles
-from dashrun.errors import AuthError, ChecksumError
+from dashrun.data.objects import check_summary
+from dashrun.errors import AuthError, ChecksumError, ProtocolError
 from dashrun.testing.s3 import S3Server, make_bucket, use_endpoint
 from dashrun.wire.credentials import Credential
 from dashrun.wire.peer_client import PeerClient
@@ -67,6 +71,18 @@ def test_a_replacement_node_refills_from_its_peers_with_the_bucket_down(memd, ag
         server.stop()  # the bucket unreachable from now on
     n2 = Cache(tmp_path / "n2")
     assert sorted(entry.key for entry in n2.entries()) == sorted(objects)
+    # what each node caches, as its agent tells it
+    shown = subprocess.run([sys.executable, "-m", "dashrun", "data", "status", "--job", JOB, "--json", "--memd",
+                            memd.address, "--token-file", str(memd.token_file), *memd.tls_args],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    nodes = {node["node"]: node for node in json.loads(shown.stdout)["nodes"]}
+    assert set(nodes) == {"n1", "n2"}
+    assert {name: node["cache"] for name, node in nodes.items()} == {n: str(tmp_path / n) for n in ("n1", "n2")}
+    total = sum(map(len, objects.values()))
+    held = {"url": url, "objects": len(objects), "bytes": total}
+    assert nodes["n1"]["sources"] == [{**held, "listed_objects": len(objects), "listed_bytes": total}]  # it listed
+    assert nodes["n2"]["sources"] == [held]  # the second copies; the source was never listed there
 
     as_rank_of(monkeypatch, memd, "n3")  # a replacement node, its cache empty, dash-memd with no data cache
     with CachedFiles(url, cache_dir=tmp_path / "n3") as fresh:
@@ -98,3 +114,14 @@ def test_a_replacement_node_refills_from_its_peers_with_the_bucket_down(memd, ag
 def _views(memd):
     with memd.client() as client:
         return client.fleet_view(JOB)[2]
+
+
+@pytest.mark.parametrize("body", [None, [], {"sources": {}}, {"cache": "c", "limit_bytes": 1, "used_bytes": 1,
+                                                                "sources": [{"url": "u", "objects": 1}] * 257},
+                                  {"cache": "c", "limit_bytes": -1, "used_bytes": 0, "sources": []},
+                                  {"cache": "c", "limit_bytes": 1, "used_bytes": 0, "sources": ["s3://b/"]},
+                                  {"cache": "c", "limit_bytes": 1, "used_bytes": 0,
+                                   "sources": [{"url": "u" * 3000, "objects": 1, "bytes": 1}]}])
+def test_a_peers_summary_of_its_cache_is_checked_before_it_is_shown(body):
+    with pytest.raises(ProtocolError):
+        check_summary(body)

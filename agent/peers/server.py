@@ -18,9 +18,9 @@ cluster's token, is refused), then sealed records. Requests, one at a time:
   the bytes as data, their trailer the CRC-32C of the bytes as they arrived
   (from the shard's marks, :mod:`dashrun.wire.blocks`), so bytes changed in this
   agent's memory fail at the reader; NotFoundError when not held.
-- ``DATA_OBJECT_GET``, ``DATA_OBJECT_PUT``: the node's data set cache, read
-  by the job's other nodes and given second copies by them, as dash-memd's
-  is (:class:`dashrun.data.objects.ObjectServer`).
+- ``DATA_OBJECT_GET``, ``DATA_OBJECT_PUT``, ``DATA_STATUS``: the node's data
+  set cache, read by the job's other nodes and given second copies by them,
+  as dash-memd's is (:class:`dashrun.data.objects.ObjectServer`).
 
 Every field is bounded before use. At most ``max_connections`` connections are
 served at once, and of them at most ``max_unauthenticated`` still logging in,
@@ -37,7 +37,7 @@ import threading
 import time
 
 from dashrun.agent.peers.store import Store
-from dashrun.data.objects import ObjectServer, object_request
+from dashrun.data.objects import ObjectServer
 from dashrun.errors import DashError, ForbiddenError, NotFoundError, ProtocolError, UnavailableError, UsageError
 from dashrun.util.problems import ProblemLog
 from dashrun.wire import blocks
@@ -200,7 +200,8 @@ class PeerServer:
                         self._put(ch, frame)
                     elif frame.kind == Kind.REPLICA_GET:
                         self._get(ch, frame)
-                    elif frame.kind in (Kind.DATA_OBJECT_GET, Kind.DATA_OBJECT_PUT) and not frame.data_len:
+                    elif frame.kind in (Kind.DATA_OBJECT_GET, Kind.DATA_OBJECT_PUT, Kind.DATA_STATUS) \
+                            and not frame.data_len:
                         self._data(ch, frame)
                     elif frame.kind == Kind.PING and not frame.data_len:
                         ch.send(Kind.OK, {})
@@ -225,8 +226,7 @@ class PeerServer:
         if self.data is not None:
             self.data.handlers()[frame.kind](ch, frame)
         else:  # this node serves no data cache: it holds nothing and takes nothing
-            object_request(frame.body)
-            ch.send(Kind.OK, {"found": False} if frame.kind == Kind.DATA_OBJECT_GET else {"accept": False})
+            raise NotFoundError("this node's agent serves no data cache")
 
     def _put(self, ch: Channel, frame: Frame) -> None:
         header, owner, committed = replica_put_request(frame.body)

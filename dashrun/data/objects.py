@@ -12,6 +12,8 @@ side is :meth:`dashrun.wire.link.Link.data_object` and
   too large or beyond the cache's limit, else OK {accept: true}; then the
   bytes as ``DATA_OBJECT_BYTES``' data, answered OK once they hash to the
   announced SHA-256 and to what the listing fixes.
+- ``DATA_STATUS`` {url or none}: OK with :func:`summary` of the cache, what
+  ``dashrun data status --job`` shows of each node.
 
 The entry's id is computed here from the object's listed identity, never
 taken from the peer, and every field is bounded before use. Objects above
@@ -21,7 +23,7 @@ memory on its way).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from dashrun.data.cache import Cache
 from dashrun.data.sources import MAX_SHARED_OBJECT as MAX_OBJECT
@@ -30,16 +32,63 @@ from dashrun.errors import ProtocolError
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.protocol import Kind, field_str
 
-__all__ = ["MAX_OBJECT", "MAX_URL", "ObjectServer", "object_request"]
+__all__ = ["MAX_OBJECT", "MAX_SOURCES", "MAX_URL", "ObjectServer", "check_summary", "object_request", "summary"]
 
 #: The longest source URL accepted.
 MAX_URL = 2048
+#: Sources a summary lists at most (the most recently cached... any beyond are counted in its totals only).
+MAX_SOURCES = 256
 
 
 def object_request(body: dict) -> tuple[str, ObjectInfo]:
     """The URL and the object of a DATA_OBJECT_* body, every field checked."""
     url = field_str(body, "url", MAX_URL)
     return url, ObjectInfo.from_json(body.get("object"))
+
+
+def summary(cache: Cache, url: str | None = None) -> dict[str, Any]:
+    """What ``cache`` holds, per source (of ``url`` alone, if given): {cache, limit_bytes, used_bytes, sources:
+    [{url, objects, bytes, and listed_objects, listed_bytes where the source's listing is stored}]}."""
+    from dashrun.data.listings import Listing
+    from dashrun.errors import DashError
+
+    sources: dict[str, dict] = {}
+    for entry in cache.entries():
+        if url is None or entry.url == url:
+            held = sources.setdefault(entry.url, {"url": entry.url, "objects": 0, "bytes": 0})
+            held["objects"] += 1
+            held["bytes"] += entry.size
+    for held in sources.values():
+        text = cache.stored_listing(held["url"])
+        try:
+            listing = Listing.from_text(text, held["url"]) if text is not None else None
+        except DashError:
+            listing = None
+        if listing is not None:
+            held["listed_objects"], held["listed_bytes"] = len(listing.objects), listing.nbytes
+    return {"cache": str(cache.root), "limit_bytes": cache.limit, "used_bytes": cache.usage(),
+            "sources": sorted(sources.values(), key=lambda s: s["url"])[:MAX_SOURCES]}
+
+
+def check_summary(body: Any) -> dict[str, Any]:
+    """A :func:`summary` as a peer sent it, every field checked (ProtocolError otherwise)."""
+    from dashrun.wire.protocol import field_int
+
+    if not isinstance(body, dict) or not isinstance(body.get("sources"), list) or \
+            len(body["sources"]) > MAX_SOURCES:
+        raise ProtocolError("a data cache's summary must be an object listing its sources")
+    checked = {"cache": field_str(body, "cache", 4096), "limit_bytes": field_int(body, "limit_bytes", 0, 1 << 62),
+               "used_bytes": field_int(body, "used_bytes", 0, 1 << 62), "sources": []}
+    for held in body["sources"]:
+        if not isinstance(held, dict):
+            raise ProtocolError("a source of a data cache's summary must be an object")
+        one = {"url": field_str(held, "url", MAX_URL), "objects": field_int(held, "objects", 0, 1 << 40),
+               "bytes": field_int(held, "bytes", 0, 1 << 62)}
+        if held.get("listed_objects") is not None:
+            one["listed_objects"] = field_int(held, "listed_objects", 0, 1 << 40)
+            one["listed_bytes"] = field_int(held, "listed_bytes", 0, 1 << 62)
+        checked["sources"].append(one)
+    return checked
 
 
 class ObjectServer:
@@ -58,7 +107,11 @@ class ObjectServer:
         return self._cache
 
     def handlers(self) -> dict[Kind, Callable[[Channel, Frame], None]]:
-        return {Kind.DATA_OBJECT_GET: self.get, Kind.DATA_OBJECT_PUT: self.put}
+        return {Kind.DATA_OBJECT_GET: self.get, Kind.DATA_OBJECT_PUT: self.put, Kind.DATA_STATUS: self.status}
+
+    def status(self, ch: Channel, frame: Frame) -> None:
+        url = field_str(frame.body, "url", MAX_URL) if frame.body.get("url") is not None else None
+        ch.send(Kind.OK, summary(self.cache, url))
 
     def get(self, ch: Channel, frame: Frame) -> None:
         url, info = object_request(frame.body)

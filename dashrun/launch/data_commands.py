@@ -3,7 +3,8 @@
 ``stage URL`` lists the source (or takes the stored listing) and caches every
 object on this node, with a progress bar; ``status`` tells what this node's
 cache holds, per source (``--json`` for machines); ``clear`` removes entries
-that no process holds. Each takes ``--data-cache``/``--data-cache-limit``
+that no process holds. ``status --job JOB`` asks each node of the job,
+through its dash-agent, what its cache holds. Each takes ``--data-cache``/``--data-cache-limit``
 (twins ``DASH_DATA_CACHE``, ``DASH_DATA_CACHE_LIMIT``) and, to share listings
 with the cluster, ``--memd``/``--token-file``; without ``--memd`` the listing
 is this node's alone.
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from dashrun import env
 from dashrun.data.files import CachedFiles, cache_from_env
+from dashrun.data.objects import check_summary, summary
 from dashrun.data.peers import MemdListings
 from dashrun.data.sources import normal_url
 from dashrun.launch.commands import connect, memd_options
@@ -88,45 +90,65 @@ def stage(url, data_cache, data_cache_limit, memd, token_file, refresh, verify, 
 @data.command()
 @click.argument("url", required=False)
 @cache_options
+@memd_options
+@click.option("--job", "job_id", default=None, metavar="JOB",
+              help="Ask every node of JOB, through its dash-agent, instead of this node's cache (needs --memd).")
 @click.option("--json", "as_json", is_flag=True, show_envvar=True, help="Print JSON.")
-def status(url, data_cache, data_cache_limit, as_json) -> None:
-    """What this node's data cache holds, per source (or of URL alone)."""
-    cache = cache_from_env(data_cache, data_cache_limit)
+def status(url, data_cache, data_cache_limit, memd, token_file, job_id, as_json) -> None:
+    """What this node's data cache holds, per source (or of URL alone); with --job, what each node's holds."""
     wanted = normal_url(url) if url else None
-    sources: dict[str, dict] = {}
-    for entry in cache.entries():
-        if wanted is not None and entry.url != wanted:
-            continue
-        held = sources.setdefault(entry.url, {"url": entry.url, "objects": 0, "bytes": 0})
-        held["objects"] += 1
-        held["bytes"] += entry.size
-    for held in sources.values():
-        listing = _stored_listing(cache, held["url"])
-        if listing is not None:
-            held["listed_objects"], held["listed_bytes"] = len(listing.objects), listing.nbytes
-    report = {"cache": str(cache.root), "limit_bytes": cache.limit, "used_bytes": cache.usage(),
-              "sources": sorted(sources.values(), key=lambda s: s["url"])}
+    if job_id is not None:
+        _job_status(job_id, wanted, memd, token_file, as_json)
+        return
+    report = summary(cache_from_env(data_cache, data_cache_limit), wanted)
     if as_json:
         click.echo(json.dumps(report, indent=1, sort_keys=True))
         return
-    click.echo(f"{report['cache']}: {format_size(report['used_bytes'])} of {format_size(report['limit_bytes'])}")
-    if not sources:
-        click.echo("  no objects cached")
+    _print_summary(report, "")
+
+
+def _print_summary(report: dict, indent: str) -> None:
+    click.echo(f"{indent}{report['cache']}: {format_size(report['used_bytes'])} of "
+               f"{format_size(report['limit_bytes'])}")
+    if not report["sources"]:
+        click.echo(f"{indent}  no objects cached")
     for held in report["sources"]:
         listed = (f" of {held['listed_objects']} listed ({format_size(held['listed_bytes'])})"
                   if "listed_objects" in held else "")
-        click.echo(f"  {held['url']}: {held['objects']} objects, {format_size(held['bytes'])}{listed}")
+        click.echo(f"{indent}  {held['url']}: {held['objects']} objects, {format_size(held['bytes'])}{listed}")
 
 
-def _stored_listing(cache, url):
-    from dashrun.data.listings import Listing
-    from dashrun.errors import DashError
+def _job_status(job_id: str, url: str | None, memd: str | None, token_file: str | None, as_json: bool) -> None:
+    """Each node of ``job_id`` whose agent serves the others (a job with replicas): its cache's summary."""
+    from dashrun.errors import DashError, UsageError
+    from dashrun.wire.credentials import Credential
+    from dashrun.wire.peer_client import PeerClient
+    from dashrun.util.tokens import read_token
 
-    text = cache.stored_listing(url)
-    try:
-        return Listing.from_text(text, url) if text is not None else None
-    except DashError:
-        return None
+    if memd is None:
+        raise UsageError("--job needs --memd: dash-memd's fleet view names the job's nodes",
+                         hint="give --memd HOST:PORT and --token-file FILE")
+    with connect(memd, token_file) as client:
+        views = [view for view in client.fleet_view(job_id)[2] if view.port]
+    credential = Credential.parse(read_token(token_file)).for_job(job_id)
+    nodes = []
+    for view in views:
+        try:
+            with PeerClient(view.host, view.port, credential, timeout=30) as peer:
+                nodes.append({"node": view.node, **check_summary(peer.data_status(url))})
+        except (DashError, OSError) as e:
+            nodes.append({"node": view.node, "error": str(e)})
+    if as_json:
+        click.echo(json.dumps({"job": job_id, "nodes": nodes}, indent=1, sort_keys=True))
+        return
+    if not nodes:
+        click.echo(f"{job_id}: no node's agent serves the others (a job of one node, or --replicas 0)")
+    for node in nodes:
+        click.echo(f"{node['node']}:")
+        if "error" in node:
+            click.echo(f"  not answering: {node['error']}")
+        else:
+            _print_summary(node, "  ")
 
 
 @data.command()

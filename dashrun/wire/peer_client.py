@@ -72,6 +72,11 @@ class PeerClient(Link):
             return header.crc
         return self._request(run)
 
+    def data_status(self, url: str | None = None) -> dict:
+        """What the node's data cache holds, per source, as its agent answers it (unchecked: see
+        :func:`dashrun.data.objects.check_summary`)."""
+        return self._request(lambda ch: ch.call(Kind.DATA_STATUS, {"url": url}).body)
+
     def get_into(self, job: str, step: int, rank: int, crc: int, offset: int, views: Sequence[memoryview]) -> None:
         """Bytes ``[offset, offset + len(views))`` of the held shard ``(job, step, rank)`` of CRC-32C ``crc``
         into ``views``, checked (see the module's text); NotFoundError if the peer does not hold it."""

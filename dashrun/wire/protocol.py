@@ -125,6 +125,7 @@ class Kind(enum.IntEnum):
     DATA_OBJECT_GET = 83    # an object from dash-memd's data cache: OK {found, sha256} with its bytes as data
     DATA_OBJECT_PUT = 84    # offer one to it: OK {accept}; then DATA_OBJECT_BYTES with the bytes, OK once checked
     DATA_OBJECT_BYTES = 85
+    DATA_STATUS = 86        # peer link: what the node's data cache holds, per source (dashrun data status --job)
 
 
 @dataclasses.dataclass(frozen=True)

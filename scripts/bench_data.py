@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """The data set cache against a shaped bucket: epoch 1 (from the source), epoch 2 (the node's cache, page cache
-dropped), and a replacement node's refill from dash-memd's cache vs from the source, side by side.
+dropped), and a replacement node's refill from its peers, from dash-memd's cache and from the source, side by side.
 
 The bucket is a moto S3 server in a network namespace (dashrun.testing.netns) whose outbound link is a tc
 token bucket (``--rate``, tc's units), standing for the bucket's bandwidth; this process reads it through the
-bridge. dash-memd (with ``--data-cache``) runs in the root namespace, as the stable VM. Epoch 2's bandwidth is
+bridge. dash-memd (with ``--data-cache``) runs in the root namespace, as the stable VM, and so do two nodes'
+dash-agents (n1 serving the cache epoch 1 filled, n2 the second copies n1 gave it), on loopback. Epoch 2's
+bandwidth is
 set against the local disk's own, read the same way (a file of the data set's size, page cache dropped). Needs
 root (namespaces, tc, drop_caches)::
 
@@ -27,13 +29,18 @@ from pathlib import Path
 from benchlib import MiB, describe_machine, machine
 
 from dashrun.data.files import CachedFiles
-from dashrun.data.peers import MemdListings
+from dashrun.data.peers import MemdListings, PeerData
 from dashrun.testing import netns
+from dashrun.testing.agent import Agent
 from dashrun.testing.memd import Memd
 from dashrun.testing.processes import free_port, kill_tree, wait_for
 from dashrun.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY
-from dashrun.util.tokens import write_token
+from dashrun.util.tokens import read_token, write_token
 from dashrun.util.units import parse_size
+from dashrun.wire.credentials import Credential
+from dashrun.wire.peer_client import PeerClient
+
+JOB = "bench-data"
 
 
 def fmt_bw(bytes_per_second: float) -> str:
@@ -103,6 +110,7 @@ def main() -> int:
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         memd = Memd(work / "memd", token, "--memory-limit", "256MiB", "--data-cache", str(work / "memd-cache"),
                     log_path=work / "memd.log")
+        agents: list[Agent] = []
         try:
             endpoint = f"http://{bucket_node.address}:{port}"
             os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -120,16 +128,28 @@ def main() -> int:
             url = "s3://data/shards/"
             link = fleet.measure(bucket_node, None, 32 << 20)
 
-            def node(name: str, via_memd: bool) -> CachedFiles:
-                remote = MemdListings(memd.client)
-                return CachedFiles(url, cache_dir=work / name, remote=remote,
-                                   providers=[("dash-memd", remote)] if via_memd else [])
+            credential = Credential.parse(read_token(token)).for_job(JOB)
+            for name in ("n1", "n2"):  # each node's agent serves its node's data cache to the others
+                agents.append(Agent(memd, work / f"{name}.sock", work / f"{name}.log", {
+                    "DASH_JOB_ID": JOB, "DASH_NODE": name, "DASH_REPLICAS": "1", "DASH_PEER_PORT": "0",
+                    "DASH_PEER_MEMORY_LIMIT": "64MiB", "DASH_DATA_CACHE": str(work / name)}))
+            listings = MemdListings(memd.client)
+            wait_for(lambda: len(listings.members(JOB)) == 2, 30, "both agents in dash-memd's fleet view")
 
-            with node("node-a", via_memd=True) as a:
+            def node(name: str, via_memd: bool, via_peers: bool = False) -> CachedFiles:
+                remote = MemdListings(memd.client)
+                peers = PeerData(lambda: remote.members(JOB), lambda p: PeerClient(p[1], p[2], credential), name)
+                return CachedFiles(url, cache_dir=work / name, remote=remote,
+                                   providers=[("peer", peers)] * via_peers + [("dash-memd", remote)] * via_memd)
+
+            with node("n1", via_memd=True, via_peers=True) as a:  # a second copy of each object to n2
                 epoch1 = read_all(a, args.workers)
             dropped = drop_page_cache()
-            with node("node-a", via_memd=True) as a:
+            with node("n1", via_memd=True) as a:
                 epoch2 = read_all(a, args.workers)
+            with node("node-p", via_memd=False, via_peers=True) as p:
+                from_peers = read_all(p, args.workers)
+                assert p.fetched == {"peer": args.objects}, p.fetched
             total = args.objects * size
             disk = disk_read_bandwidth(work, total)
             with node("node-b", via_memd=True) as b:
@@ -139,10 +159,13 @@ def main() -> int:
                 from_source = read_all(c, args.workers)
                 assert c.fetched == {"source": args.objects}, c.fetched
             rows = [("epoch 1: from the shaped bucket", epoch1), ("epoch 2: the node's cache", epoch2),
+                    ("refill: a fresh node from its two peers' caches", from_peers),
                     ("refill: a fresh node from dash-memd's cache", from_memd),
                     ("refill: a fresh node from the shaped bucket", from_source)]
         finally:
             bucket_node.shape(None)
+            for agent in agents:
+                agent.stop()
             memd.stop()
             kill_tree(moto)
             shutil.rmtree(work, ignore_errors=True)
@@ -154,8 +177,8 @@ def main() -> int:
     for what, seconds in rows:
         print(f"| {what} | {seconds:.2f} | {fmt_bw(total / seconds)} |")
     print(f"| the local disk, read alone (page cache dropped) | {total / disk:.2f} | {fmt_bw(disk)} |")
-    print(f"epoch 2 / local disk: {total / epoch2 / disk:.2f}x; refill from dash-memd vs the bucket: "
-          f"{from_source / from_memd:.1f}x faster")
+    print(f"epoch 2 / local disk: {total / epoch2 / disk:.2f}x; refill from the peers vs the bucket: "
+          f"{from_source / from_peers:.1f}x faster; from dash-memd vs the bucket: {from_source / from_memd:.1f}x")
     return 0
 
 

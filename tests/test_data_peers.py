@@ -21,7 +21,7 @@ from dashrun.data.files import CachedFiles
 from dashrun.data.objects import check_summary
 from dashrun.errors import AuthError, ChecksumError, ProtocolError
 from dashrun.testing.s3 import S3Server, make_bucket, use_endpoint
-from dashrun.wire.credentials import Credential
+from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.peer_client import PeerClient
 
 JOB = "datapeers"
@@ -33,10 +33,14 @@ def node_env(node: str, tmp_path) -> dict:
             "DASH_NODE": node, "DASH_DATA_CACHE": str(tmp_path / node)}
 
 
-def as_rank_of(monkeypatch, memd, node: str) -> None:
-    """This process's environment as a rank of ``node``, as dashrun's launcher sets it."""
+def as_rank_of(monkeypatch, memd, node: str, tmp_path) -> None:
+    """This process's environment as a rank of ``node``, as dashrun's launcher sets it: the job's credential
+    only, never the cluster's token."""
+    credential_file = tmp_path / f"{node}.credential"
+    if not credential_file.exists():
+        write_job_credential(Credential.parse(memd.token).for_job(JOB), credential_file)
     monkeypatch.setenv("DASH_MEMD", memd.address)
-    monkeypatch.setenv("DASH_TOKEN_FILE", str(memd.token_file))
+    monkeypatch.setenv("DASH_TOKEN_FILE", str(credential_file))
     monkeypatch.setenv("DASH_JOB_ID", JOB)
     monkeypatch.setenv("DASH_NODE", node)
     if memd.tls_args:
@@ -60,7 +64,7 @@ def test_a_replacement_node_refills_from_its_peers_with_the_bucket_down(memd, ag
         for key, body in objects.items():
             bucket.client.put_object(Bucket=bucket.name, Key=f"ds/{key}", Body=body)
         url = bucket.url("ds/")
-        as_rank_of(monkeypatch, memd, "n1")
+        as_rank_of(monkeypatch, memd, "n1", tmp_path)
         with CachedFiles(url, cache_dir=tmp_path / "n1") as first:  # the peers and dash-memd as from_env finds them
             assert [name for name, _ in first._providers] == ["peer", "dash-memd"]
             assert {k: open(first.local_path(k), "rb").read() for k in first.keys()} == objects
@@ -84,7 +88,7 @@ def test_a_replacement_node_refills_from_its_peers_with_the_bucket_down(memd, ag
     assert nodes["n1"]["sources"] == [{**held, "listed_objects": len(objects), "listed_bytes": total}]  # it listed
     assert nodes["n2"]["sources"] == [held]  # the second copies; the source was never listed there
 
-    as_rank_of(monkeypatch, memd, "n3")  # a replacement node, its cache empty, dash-memd with no data cache
+    as_rank_of(monkeypatch, memd, "n3", tmp_path)  # a replacement node, its cache empty, dash-memd with no data cache
     with CachedFiles(url, cache_dir=tmp_path / "n3") as fresh:
         assert fresh.keys() == sorted(objects)
         assert {k: open(fresh.local_path(k), "rb").read() for k in fresh.keys()} == objects

@@ -53,7 +53,7 @@ def served(memd) -> set[str]:
 
 
 def test_a_replacement_node_refills_from_its_peers_with_the_bucket_down(memd, agent_factory, tmp_path, monkeypatch):
-    agent_factory(memd, env=node_env("n1", tmp_path))
+    n1_agent = agent_factory(memd, env=node_env("n1", tmp_path))
     agent_factory(memd, env=node_env("n2", tmp_path))
     wait_for(lambda: served(memd) == {"n1", "n2"}, 30, "both nodes' agents in dash-memd's fleet view")
     server = S3Server(tmp_path / "moto.log").start()
@@ -96,6 +96,16 @@ def test_a_replacement_node_refills_from_its_peers_with_the_bucket_down(memd, ag
         asked = fresh._providers[0][1]
         first_asked = {asked.order(fresh.info(k).identity(url))[0][0] for k in fresh.keys()}
         assert first_asked == {"n1", "n2"}  # a refill's reads spread over the peers
+
+    # n1 is taken away (kill -9): dash-memd lists it a few seconds more, and a node refilling meanwhile tries it
+    # once, then reads everything from n2 alone
+    n1_agent.kill()
+    as_rank_of(monkeypatch, memd, "n4", tmp_path)
+    with CachedFiles(url, cache_dir=tmp_path / "n4") as after:
+        assert {k: open(after.local_path(k), "rb").read() for k in after.keys()} == objects
+        assert after.fetched == {"peer": len(objects)}
+        asked = after._providers[0][1]
+        assert [p[0] for p in asked._unreachable] == ["n1"] and "n1" in served(memd)
 
     # a copy that is not the listed object (a wrong MD5 for its ETag) is refused by the node that is offered it
     credential = Credential.parse(memd.token).for_job(JOB)

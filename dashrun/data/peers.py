@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 from dashrun import env
 from dashrun.data.listings import MAX_LISTING, StoredListings
 from dashrun.data.sources import MAX_SHARED_OBJECT, Expected, ObjectInfo, expected_of
-from dashrun.errors import DashError
+from dashrun.errors import DashError, UnavailableError
 
 __all__ = ["MAX_PEERS_ASKED", "MemdListings", "PeerData", "from_env"]
 
@@ -119,6 +119,8 @@ class MemdListings(StoredListings):
 MAX_PEERS_ASKED = 8
 #: Seconds the job's nodes, as dash-memd's fleet view lists them, are used before they are asked for again.
 MEMBERS_TTL = 5.0
+#: Seconds a node that could not be reached is not asked again (dash-memd lists a vanished node that long).
+UNREACHABLE_FOR = 10.0
 
 Peer = tuple[str, str, int]  # (node, host, port)
 
@@ -130,6 +132,7 @@ class PeerData:
     def __init__(self, members: Callable[[], list[Peer]], connect: Callable[[Peer], object], node: str):
         self._members, self._connect, self.node = members, connect, node
         self._known: tuple[float, list[Peer]] | None = None
+        self._unreachable: dict[Peer, float] = {}  # peer -> until when it is not asked
         self._local = threading.local()  # per thread: {peer: client}, as MemdListings
         self._clients: list = []
         self._lock = threading.Lock()
@@ -150,7 +153,16 @@ class PeerData:
                 peers = []
             with self._lock:
                 self._known = known = (now, peers)
-        return sorted(known[1], key=lambda p: hashlib.sha256(f"{ident}\0{p[0]}".encode()).digest())[:MAX_PEERS_ASKED]
+        with self._lock:
+            reachable = [p for p in known[1] if self._unreachable.get(p, 0.0) <= now]
+        return sorted(reachable, key=lambda p: hashlib.sha256(f"{ident}\0{p[0]}".encode()).digest())[:MAX_PEERS_ASKED]
+
+    def _failed(self, peer: Peer, e: Exception) -> None:
+        """``peer`` did not answer: a node just gone (a preemption) costs each object one connect timeout only
+        until it is left out."""
+        if isinstance(e, (UnavailableError, OSError)):
+            with self._lock:
+                self._unreachable[peer] = time.monotonic() + UNREACHABLE_FOR
 
     def _client(self, peer: Peer):
         clients = getattr(self._local, "clients", None)
@@ -171,6 +183,7 @@ class PeerData:
                 held = self._client(peer).data_object(url, info.to_json(), info.size)
             except (DashError, OSError) as e:  # that node is gone or refuses: the next is asked
                 log.debug("%s of %s not read from node %s: %s", info.key, url, peer[0], e)
+                self._failed(peer, e)
                 continue
             if held is not None:
                 sha256, data = held
@@ -200,6 +213,7 @@ class PeerData:
                     return
             except (DashError, OSError) as e:
                 log.debug("%s of %s not offered to node %s: %s", info.key, url, peer[0], e)
+                self._failed(peer, e)
             # held there already, no room, or gone: the next node is asked
 
     def flush(self) -> None:

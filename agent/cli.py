@@ -95,8 +95,8 @@ log = logging.getLogger(PROGRAM)
 @click.option("--peer", "peers", envvar=env.PEERS.name, show_envvar=True, multiple=True, metavar="HOST:PORT",
               help="For tests: an agent this node's replicas go to (repeat it), in place of dash-memd's registry.")
 @click.option("--metrics-listen", envvar=env.AGENT_METRICS_LISTEN.name, show_envvar=True, default=None,
-              metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST left out: "
-                                         "loopback; docs/metrics.md names them).")
+              metavar="[HOST:]PORT", help="Serve Prometheus metrics at /metrics on HOST:PORT (HOST left out: "
+                                         "loopback; HTTPS with --metrics-tls-cert; docs/metrics.md).")
 @metrics_access_options
 @log_options
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,

@@ -103,8 +103,8 @@ def cli() -> None:
 @click.option("--weak-token-ok", envvar=env.WEAK_TOKEN_OK.name, show_envvar=True, is_flag=True,
               help="Take a token that is not 64 random hex digits, with a warning.")
 @click.option("--metrics-listen", envvar=env.METRICS_LISTEN.name, show_envvar=True, default=None,
-              metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST left out: "
-                                         "loopback; docs/metrics.md names them).")
+              metavar="[HOST:]PORT", help="Serve Prometheus metrics at /metrics on HOST:PORT (HOST left out: "
+                                         "loopback; HTTPS with --metrics-tls-cert; docs/metrics.md).")
 @metrics_access_options
 @log_options
 def start(**options) -> None:

@@ -100,9 +100,9 @@ log = logging.getLogger(PROGRAM)
 @metrics_access_options
 @log_options
 def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drain_timeout, job_id, cloud,
-        metadata_endpoint, poll_interval, failure_domain, instance_type, market, no_prefetch, no_tls, tls_ca, tls_fingerprint, replicas,
-        peer_port, peer_memory_limit, node, peers, metrics_listen, metrics_tls_cert, metrics_tls_key, metrics_token_file,
-        log_level, log_format) -> None:
+        metadata_endpoint, poll_interval, failure_domain, instance_type, market, no_prefetch, no_tls, tls_ca,
+        tls_fingerprint, replicas, peer_port, peer_memory_limit, node, peers, metrics_listen, metrics_tls_cert,
+        metrics_tls_key, metrics_token_file, log_level, log_format) -> None:
     """Forward the node's checkpoints to dash-memd and its interruption notices to the ranks (started by dashrun)."""
     setup_logging(PROGRAM, log_level, log_format, job=job_id)
     host, port = parse_address(memd, default_port=DEFAULT_PORT, what="--memd")
@@ -116,7 +116,8 @@ def cli(memd, token_file, socket_path, listen_fd, parent_pid, memd_timeout, drai
                          replicas=replicas, peer_port=peer_port,
                          peer_memory_limit=None if peer_memory_limit is None else parse_size(peer_memory_limit),
                          peers=tuple(_peer(text) for text in peers),
-                         metrics=metrics_settings(metrics_listen, metrics_tls_cert, metrics_tls_key, metrics_token_file),
+                         metrics=metrics_settings(metrics_listen, metrics_tls_cert, metrics_tls_key,
+                                                  metrics_token_file),
                          **({"node": node} if node else {}))
     sys.exit(run(config))
 

@@ -106,8 +106,9 @@ def metrics_access_options(command):
     from dashrun import env
 
     for name, var, helped in (
-            ("--metrics-token-file", env.METRICS_TOKEN_FILE, "Ask every scrape for the bearer token in this file "
-                                                             "(mode 0600; Prometheus: authorization.credentials_file)."),
+            ("--metrics-token-file", env.METRICS_TOKEN_FILE,
+             "Ask every scrape for the bearer token in this file (mode 0600; Prometheus: "
+             "authorization.credentials_file)."),
             ("--metrics-tls-key", env.METRICS_TLS_KEY, "The unencrypted PEM key of --metrics-tls-cert (default: in "
                                                        "its file)."),
             ("--metrics-tls-cert", env.METRICS_TLS_CERT, "Serve /metrics over HTTPS with this PEM certificate "

@@ -30,8 +30,8 @@ from dashrun.wire.protocol import (
 )
 
 __all__ = ["CLOUDS", "MAX_RDZV_STATE", "MAX_RDZV_WAIT", "MAX_STORE_JOB_BYTES", "MAX_STORE_KEY", "MAX_STORE_KEYS",
-           "MAX_STORE_VALUE", "MAX_STORE_WAIT", "MEMBERSHIP_CHANGES", "CheckpointInfo", "JobSpec", "MembershipEvent", "Notice",
-           "NoticeKind", "ShardHeader", "tiling_problem"]
+           "MAX_STORE_VALUE", "MAX_STORE_WAIT", "MEMBERSHIP_CHANGES", "CheckpointInfo", "JobSpec", "MembershipEvent",
+           "Notice", "NoticeKind", "ShardHeader", "tiling_problem"]
 
 #: An Ed25519 signature as 128 lowercase hex digits.
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")

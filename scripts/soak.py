@@ -97,7 +97,9 @@ class Soak:
             for node in self.nodes:
                 node.supervise()
             if now >= next_kill:
-                self._kill(first.pop() if first else self.rng.choices(list(TARGETS), weights=list(TARGETS.values()))[0])
+                target = first.pop() if first else self.rng.choices(list(TARGETS), weights=list(TARGETS.values()))[0]
+                if not self._kill(target) and target not in first:
+                    first.append(target)  # nothing to kill of that kind now: it goes first next time
                 next_kill = time.monotonic() + self.rng.uniform(0.5, 1.5) * args.kill_every
             if now >= next_sample:
                 self._sample(now - started)
@@ -110,16 +112,16 @@ class Soak:
         self._check(self._claims(), every_checkpoint=True)
         return self.summary()
 
-    def _kill(self, target: str) -> None:
-        self.kills[target] += 1
+    def _kill(self, target: str) -> bool:
+        """Kill one of ``target``'s kind; False when there was none to kill (every node's ranks forking again)."""
         if target == "memd":
             self._kill_memd()
-            return
-        node = self.rng.choice(self.nodes)
-        if target == "agent":
-            node.kill_agent()
-        elif not node.kill_rank(self.rng):
-            self.kills[target] -= 1  # its ranks are being forked again: nothing to kill now
+        elif target == "agent":
+            self.rng.choice(self.nodes).kill_agent()
+        elif not any(node.kill_rank(self.rng) for node in self.rng.sample(self.nodes, len(self.nodes))):
+            return False
+        self.kills[target] += 1
+        return True
 
     def _kill_memd(self) -> None:
         """SIGKILL dash-memd and start it again; what was on disk must all be there, what rank 0 was told is

@@ -344,7 +344,8 @@ def test_status_says_a_finished_job_finished_and_a_failing_one_failed(memd, tmp_
                            job=job))
     assert done.returncode == 0, done.stderr[-3000:]
     failing = run(dashrun_cmd(memd, str(TRAIN), "--steps", "20", "--interval", "5", "--out", str(tmp_path / "b"),
-                              job="crashes"), env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
+                              "--delay", "0.1", job="crashes"),  # time per step: the checkpoint of step 14 is due
+                  env={"DASH_CRASH_AT": "rank.staging@rank=1,step=14"})
     assert failing.returncode == 1, failing.stderr[-3000:]
     status = dashrun("status", *memd_args(memd), "--json")
     assert status.returncode == 0, status.stderr

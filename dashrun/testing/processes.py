@@ -10,6 +10,7 @@ import contextlib
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -67,6 +68,20 @@ def kill_tree(proc: subprocess.Popen | psutil.Process, sig: int = signal.SIGKILL
     psutil.wait_procs(descendants, timeout=timeout)
 
 
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # dead; reaping is its new parent's business
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: Sequence[psutil.Process], timeout: float) -> None:
+    """Poll until each has died: a SIGKILL takes effect a moment after it is sent."""
+    deadline = time.monotonic() + timeout
+    while not all(_gone(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class Processes:
     """Every process started through it, stopped (newest first) by :meth:`stop_all` or on leaving ``with``."""
 
@@ -108,6 +123,7 @@ class Processes:
         for p in descendants:  # what the process left behind (a daemon's workers), gone with it
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+        _wait_gone(descendants, timeout)
         return code
 
     def stop_all(self) -> None:

@@ -8,7 +8,11 @@ median per way), each time as a relaunched rank would: its parameters
 allocated and touched, its optimizer without state yet:
 
 * **loopback limit** — the same bytes over loopback TCP into a reused buffer,
-  receiver on the other core: the network's speed on this machine;
+  receiver on the other core: the network's speed on this machine; and the
+  **bare pairs**: a sender on dash-memd's core and this process moving the same
+  bytes over dashrun's own records (``dashrun/wire/sealed.py``: AES-128-GCM,
+  and the signed records of ``--no-tls``) into a reused buffer, nothing else:
+  the limit of a restore that must decrypt every byte;
 * **torch.load** — ``torch.load`` of a file in the page cache (warm) +
   ``load_state_dict`` of the model and the optimizer; and with ``mmap=True``;
 * **DCP load** — ``torch.distributed.checkpoint.load`` of a ``dcp.save`` directory
@@ -327,9 +331,11 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processe
             times.setdefault(f"{label}, dash-memd disk", []).append(way(lambda: restore(stack), relaunched, stack))
     times = {name: t[1:] if len(t) > rounds else t for name, t in times.items()}
     loopback = benchlib.measure_loopback(nbytes, side_core, procs)
+    pairs = {kind: benchlib.measure_record_pair(nbytes, side_core, procs, kind) for kind in ("sealed", "signed")}
     return {"state_bytes": described["state_bytes"], "checkpoint_bytes": nbytes, "model": described,
-            "loopback": loopback, "ways": {name: summary(t, nbytes) for name, t in times.items()},
-            "relaunch": None, "_stacks": stacks, "_path": str(path)}
+            "loopback": loopback, "record_pairs": pairs,
+            "ways": {name: summary(t, nbytes) for name, t in times.items()}, "relaunch": None,
+            "_stacks": stacks, "_path": str(path)}
 
 
 def measure_relaunch(result: dict, size: int, rounds: int, workdir: Path, train_core: int) -> dict:
@@ -386,6 +392,18 @@ def report(results: list[dict], machine: dict) -> None:
             memd, agent, restoring = (f"{cpu[label]:.2f}" if label in cpu else "-" for label in CPU_OF)
             total = sum(cpu.values())
             print(f"  {name:46} {memd:>10} {agent:>11} {restoring:>10} {total:6.2f} {total / w['median_s']:11.2f}")
+        pairs = r["record_pairs"]
+        print(f"  bare pairs, the same bytes into a reused buffer, sender on dash-memd's core: sealed records "
+              f"{pairs['sealed']['time_s']:.3f} s, signed records (--no-tls) {pairs['signed']['time_s']:.3f} s, "
+              f"plain TCP {limit:.3f} s")
+        ram = {label: r["ways"].get(f"{label}, dash-memd RAM") for label in ("dashrun", "dashrun --no-tls")}
+        if ram["dashrun"]:
+            print(f"  dash-memd RAM, one rank: {ram['dashrun']['median_s'] / pairs['sealed']['time_s']:.2f}x the "
+                  f"sealed pair (target <= 1.3x)")
+        if ram["dashrun --no-tls"]:
+            plain = ram["dashrun --no-tls"]["median_s"]
+            print(f"  dash-memd RAM, one rank, --no-tls: {plain / limit:.2f}x plain TCP (target <= 1.3x), "
+                  f"{plain / pairs['signed']['time_s']:.2f}x the signed pair")
         if r["relaunch"]:
             print("  relaunch, command to restore() returned:")
             base = r["relaunch"]["torchrun + torch.load"]["median_s"]

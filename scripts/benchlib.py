@@ -1,5 +1,6 @@
 """What the benchmarks share: the machine's description, the children's environment, the physical limits a
-figure is set against (memcpy, loopback TCP), CPU accounting, and the medians and units of the reports.
+figure is set against (memcpy, loopback TCP, a bare pair over dashrun's records), CPU accounting, and the
+medians and units of the reports.
 
 Processes, pinning and dash-memd/dash-agent come from the harness (``dashrun.testing``); each benchmark keeps
 its own measurement. Imported by the scripts beside it (scripts/ is ``sys.path[0]`` when one runs).
@@ -30,7 +31,8 @@ from dashrun.testing.processes import Processes  # noqa: E402
 
 __all__ = ["CHUNK", "GiB", "MiB", "REPO", "CpuMonitor", "DashDaemons", "Processes", "Trainer", "build_model",
            "child_env", "core_busy", "describe_machine", "fmt_bw", "fmt_ms", "machine", "measure_loopback",
-           "measure_memcpy", "med", "pin_process", "pinned", "placement", "runqueue_wait", "start_dash_daemons", "timings"]
+           "measure_memcpy", "measure_record_pair", "med", "pin_process", "pinned", "placement", "runqueue_wait",
+           "start_dash_daemons", "timings"]
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -161,6 +163,65 @@ def _loopback(nbytes: int, core: int, procs: Processes, rounds: int, chunk: int)
         if proc.stdout:
             proc.stdout.close()
     return {**timings(nbytes, times[1:]), "chunk": chunk}  # the first round warms up
+
+
+_RECORD_SENDER = textwrap.dedent("""
+    import socket, sys
+    sys.path.insert(0, sys.argv[5])
+    from dashrun.wire.sealed import Records, SignedRecords
+    n, rounds, kind, keys = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4])
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    records = (Records if kind == "sealed" else SignedRecords)(conn, keys[:32], keys[32:])
+    buf = bytearray(b"\\x07") * n  # touched, as dash-memd's RAM buffer is
+    for _ in range(rounds):
+        if conn.recv(1) != b"g":
+            sys.exit(1)
+        records.sendall(buf)
+""")
+
+
+def measure_record_pair(nbytes: int, core: int, procs: Processes, kind: str = "sealed", rounds: int = 4) -> dict:
+    """The limit of a restore over dashrun's own record layer (:mod:`dashrun.wire.sealed`): a sender on ``core``
+    (where dash-memd runs) seals ``nbytes`` in 1 MiB records, as dash-memd does (``kind`` "sealed": AES-128-GCM;
+    "signed": the Poly1305 tags of ``--no-tls``), and this process opens them into a reused, touched buffer, as
+    the restoring rank does; nothing else: no login, no frames, no checksum."""
+    import torch
+
+    from dashrun.wire.sealed import MAX_RECORD, Records, SignedRecords
+
+    keys = os.urandom(64)
+    proc = procs.start(f"{kind}-sender", pinned([sys.executable, "-c", _RECORD_SENDER, str(nbytes), str(rounds + 1),
+                                                 kind, keys.hex(), str(REPO)], core), stdout=subprocess.PIPE)
+    try:
+        port = int(proc.stdout.readline())
+        dst = torch.ones(nbytes, dtype=torch.uint8)
+        view = memoryview(dst.numpy()).cast("B")
+        times = []
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            records = (Records if kind == "sealed" else SignedRecords)(sock, keys[32:], keys[:32])
+            for _ in range(rounds + 1):
+                started = time.perf_counter()
+                sock.sendall(b"g")
+                got = 0
+                while got < nbytes:
+                    k = records.recv_into(view[got:], min(nbytes - got, MAX_RECORD))
+                    if not k:
+                        raise RuntimeError(f"the {kind} sender stopped")
+                    got += k
+                times.append(time.perf_counter() - started)
+        view.release()
+        del dst
+    finally:
+        procs.stop(proc, timeout=5)
+        if proc.stdout:
+            proc.stdout.close()
+    return {**timings(nbytes, times[1:]), "kind": kind}  # the first round warms up
 
 
 class CpuMonitor:

@@ -9,8 +9,10 @@ re-exported so that they keep one home, the harness.
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,16 @@ def no_leaked_processes():
     with leaks.tagged() as watch:
         yield watch
     leaks.check(watch)
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_left_as_found(request):
+    """A library run in the test's own process (Lightning's shutdown ignores SIGINT while it tears down) must not
+    leave Ctrl-C ignored for the tests after it: their children would inherit that and never see a SIGINT."""
+    yield
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"{request.node.nodeid} left SIGINT ignored; set back", stacklevel=1)
 
 
 @pytest.fixture(autouse=True)

@@ -273,11 +273,18 @@ def test_status_watch_redraws_every_job_with_its_tiers_latency_nodes_and_pending
     assert "terminate" in row
 
 
+def _as_from_a_shell() -> None:
+    """Ctrl-C's signal as an interactive shell leaves it to a command: at its default, unblocked. (Once, the suite's
+    worker had SIGINT ignored, which its children inherit: the command then never saw the test's Ctrl-C.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_status_watch_stops_cleanly_on_ctrl_c(memd, tmp_path):
     log = tmp_path / "watch.out"
     with open(log, "w") as out:
         proc = subprocess.Popen(status_cmd(memd, "--watch", "--interval", "0.2"), stdout=out, stderr=subprocess.STDOUT,
-                                env=TERMINAL)
+                                env=TERMINAL, preexec_fn=_as_from_a_shell)
     try:
         wait_for(lambda: "refresh 2," in ANSI.sub("", log.read_text()), what="two refreshes of the live view")
         proc.send_signal(signal.SIGINT)

@@ -12,7 +12,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "bin" / "train.py"
 
 
+# Ctrl-C as on a terminal: a suite started in the background of a non-interactive shell (`cmd &`, nohup, some CI
+# runners) inherits SIGINT ignored, and so would every process a test starts (Python keeps an inherited SIG_IGN),
+# so a test's SIGINT would reach no one. Put back what an interactive shell gives a command.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
     """Fail the test (after killing them) if processes it started outlive its teardown (dashrun.testing.leaks).
@@ -41,16 +47,6 @@ def no_leaked_processes():
     with leaks.tagged() as watch:
         yield watch
     leaks.check(watch)
-
-
-@pytest.fixture(autouse=True)
-def ctrl_c_left_as_found(request):
-    """A library run in the test's own process (Lightning's shutdown ignores SIGINT while it tears down) must not
-    leave Ctrl-C ignored for the tests after it: their children would inherit that and never see a SIGINT."""
-    yield
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        warnings.warn(f"{request.node.nodeid} left SIGINT ignored; set back", stacklevel=1)
 
 
 @pytest.fixture(autouse=True)

@@ -274,8 +274,8 @@ def test_status_watch_redraws_every_job_with_its_tiers_latency_nodes_and_pending
 
 
 def _as_from_a_shell() -> None:
-    """Ctrl-C's signal as an interactive shell leaves it to a command: at its default, unblocked. (Once, the suite's
-    worker had SIGINT ignored, which its children inherit: the command then never saw the test's Ctrl-C.)"""
+    """Ctrl-C's signal as an interactive shell leaves it to a command: at its default, unblocked, whatever the
+    suite's process inherited (in the background of a shell SIGINT is ignored, and children keep that)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 

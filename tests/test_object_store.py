@@ -425,7 +425,8 @@ def test_memd_lost_with_its_data_dir_the_bucket_resumes_the_job_bit_identical(me
     memd.kill()
     shutil.rmtree(memd.data_dir)
     reborn = memd_factory("--memory-limit", "256MiB", "--s3", url)
-    second = subprocess.run(dashrun_cmd(reborn, *args, job="s3-job"), capture_output=True, text=True, timeout=240)
+    second = subprocess.run(dashrun_cmd(reborn, *args, "--delay", "0.05", job="s3-job"),  # the last step's is due too
+                            capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-3000:]
     assert starts(out) == [0, newest + 1]
     assert_identical(reference, out)

@@ -129,6 +129,18 @@ _RECEIVER = textwrap.dedent("""
 """)
 
 
+@contextlib.contextmanager
+def _peer_process(name: str, code: str, args: list[str], core: int, procs: Processes):
+    """A helper process of a pair, pinned to ``core``, that prints the port it listens on; yields the port."""
+    proc = procs.start(name, pinned([sys.executable, "-c", code, *args], core), stdout=subprocess.PIPE)
+    try:
+        yield int(proc.stdout.readline())
+    finally:
+        procs.stop(proc, timeout=5)
+        if proc.stdout:
+            proc.stdout.close()
+
+
 def measure_loopback(nbytes: int, core: int, procs: Processes, rounds: int = 4) -> dict:
     """Loopback TCP in 8 MiB and in 1 MiB (dash-agent's) pieces; the faster is the limit."""
     runs = [_loopback(nbytes, core, procs, rounds, chunk) for chunk in (8 << 20, 1 << 20)]
@@ -138,10 +150,7 @@ def measure_loopback(nbytes: int, core: int, procs: Processes, rounds: int = 4) 
 def _loopback(nbytes: int, core: int, procs: Processes, rounds: int, chunk: int) -> dict:
     import torch
 
-    proc = procs.start("tcp-receiver", pinned([sys.executable, "-c", _RECEIVER, str(nbytes), str(rounds + 1),
-                                               str(chunk)], core), stdout=subprocess.PIPE)
-    try:
-        port = int(proc.stdout.readline())
+    with _peer_process("tcp-receiver", _RECEIVER, [str(nbytes), str(rounds + 1), str(chunk)], core, procs) as port:
         src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
         view = memoryview(src.numpy()).cast("B")
         times = []
@@ -158,10 +167,6 @@ def _loopback(nbytes: int, core: int, procs: Processes, rounds: int, chunk: int)
                 times.append(time.perf_counter() - started)
         view.release()
         del src
-    finally:
-        procs.stop(proc, timeout=5)
-        if proc.stdout:
-            proc.stdout.close()
     return {**timings(nbytes, times[1:]), "chunk": chunk}  # the first round warms up
 
 
@@ -195,10 +200,8 @@ def measure_record_pair(nbytes: int, core: int, procs: Processes, kind: str = "s
     from dashrun.wire.sealed import MAX_RECORD, Records, SignedRecords
 
     keys = os.urandom(64)
-    proc = procs.start(f"{kind}-sender", pinned([sys.executable, "-c", _RECORD_SENDER, str(nbytes), str(rounds + 1),
-                                                 kind, keys.hex(), str(REPO)], core), stdout=subprocess.PIPE)
-    try:
-        port = int(proc.stdout.readline())
+    args = [str(nbytes), str(rounds + 1), kind, keys.hex(), str(REPO)]
+    with _peer_process(f"{kind}-sender", _RECORD_SENDER, args, core, procs) as port:
         dst = torch.ones(nbytes, dtype=torch.uint8)
         view = memoryview(dst.numpy()).cast("B")
         times = []
@@ -217,10 +220,6 @@ def measure_record_pair(nbytes: int, core: int, procs: Processes, kind: str = "s
                 times.append(time.perf_counter() - started)
         view.release()
         del dst
-    finally:
-        procs.stop(proc, timeout=5)
-        if proc.stdout:
-            proc.stdout.close()
     return {**timings(nbytes, times[1:]), "kind": kind}  # the first round warms up
 
 

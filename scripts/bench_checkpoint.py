@@ -225,8 +225,7 @@ class DcpAsyncSave(Variant):
             self._future.result()
         waited = time.perf_counter() - started
         record = {"step": step, "waited_previous_s": waited}
-        future = dcp.async_save(self.state(), checkpoint_id=str(self.dir / f"step-{step:08d}"),
-                                process_group=self.process_group)
+        future = self._start(dcp, step, record)
         returned = time.perf_counter()
         record["async_save_s"] = returned - started - waited
         record["stall_s"] = returned - started
@@ -239,6 +238,11 @@ class DcpAsyncSave(Variant):
         self._future, self._record = future, record
         if self.measuring:
             self.saves.append(record)
+
+    def _start(self, dcp, step: int, record: dict):
+        """Start the save of ``step``; its future (done once on disk)."""
+        return dcp.async_save(self.state(), checkpoint_id=str(self.dir / f"step-{step:08d}"),
+                              process_group=self.process_group)
 
     def quiesce(self) -> None:
         if self._future is not None:
@@ -418,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp", action="store_true",
                         help=f"the model sharded with FSDP2 (fully_shard) over {FSDP_WORLD} rank processes: dashrun "
                              "against DCP save and DCP async_save")
+    parser.add_argument("--unpinned-daemons", action="store_true",
+                        help="--fsdp: dash-memd and dash-agent not pinned, where dashrun's launcher leaves "
+                             "dash-agent on a node with no more cores than ranks (default: beside the last rank)")
     parser.add_argument("--fsdp-worker", metavar="CONFIG", help=argparse.SUPPRESS)  # one rank of --fsdp
     parser.add_argument("--json", metavar="OUT", help="write every number here")
     parser.add_argument("--no-restore", action="store_true",
@@ -762,9 +769,11 @@ def report(args, mach, where, mdesc, limits, run_, results, summary, began, scra
 
 FSDP_WORLD = 2
 FSDP_JOB = "bench-fsdp"
-FSDP_LABELS = {"dcp.save": "DCP save", "dcp": "DCP async_save", "dashrun": "dashrun"}
+FSDP_LABELS = {"dcp.save": "DCP save", "dcp": "DCP async_save", "dcp.stager": "DCP async_save + DefaultStager",
+               "dashrun": "dashrun"}
 TARGET_ADDED_PCT_OF_DCP_SAVE = 10.0
-TARGET_ADDED_OVER_ASYNC_SAVE = 1.0
+TARGET_ADDED_OVER_ASYNC_SAVE = 0.5
+TARGET_STALL_OVER_ASYNC_SAVE = 1.0
 
 
 def fsdp_state(model, optimizer):
@@ -813,6 +822,48 @@ class FsdpDcpAsyncSave(DcpAsyncSave):
         super().quiesce()
         if int(os.environ.get("RANK", "0")) == 0:  # both ranks' files of a step are complete once its future is
             prune_checkpoints(self.dir, keep=2)
+
+
+class FsdpDcpStagedAsyncSave(FsdpDcpAsyncSave):
+    """DCP ``async_save`` with the stager torch makes for it (``DefaultStager``: pinned memory where CUDA is —
+    not on CPU —, shared memory, the copy on a thread of its own): ``async_save`` returns once the copy has
+    started; the next ``optimizer.step()`` waits for the copy to finish (the state must not change under it),
+    and that wait counts in the stall, as dashrun's optimizer hook's does."""
+
+    key = "dcp.stager"
+
+    def setup(self) -> None:
+        import torch
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        super().setup()
+        cuda = torch.cuda.is_available()
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+                                                   use_async_staging=True, use_non_blocking_copy=cuda))
+        self._staging = None
+        self._hook = self.optimizer.register_step_pre_hook(self._wait_for_copy)
+
+    def _start(self, dcp, step: int, record: dict):
+        response = dcp.async_save(self.state(), checkpoint_id=str(self.dir / f"step-{step:08d}"),
+                                  process_group=self.process_group, async_stager=self.stager)
+        self._staging = (response.staging_completion, record)
+        return response.upload_completion
+
+    def _wait_for_copy(self, *_args) -> None:
+        if self._staging is None:
+            return
+        staging, record = self._staging
+        self._staging = None
+        started = time.perf_counter()
+        staging.result()
+        record["copy_wait_s"] = waited = time.perf_counter() - started
+        record["stall_s"] += waited
+
+    def close(self) -> None:
+        self._wait_for_copy()
+        self._hook.remove()
+        super().close()
+        self.stager.close()
 
 
 class FsdpDcpSave(DcpSave):
@@ -880,6 +931,9 @@ def fsdp_worker(config_path: str) -> int:
     if "dcp" in config["variants"]:
         variants.append(FsdpDcpAsyncSave(model, optimizer, config["interval"], scratch / "dcp-async", state=state,
                                          process_group=dcp_group))
+    if "dcp.stager" in config["variants"]:
+        variants.append(FsdpDcpStagedAsyncSave(model, optimizer, config["interval"], scratch / "dcp-staged",
+                                               state=state, process_group=dcp_group))
     if "dashrun" in config["variants"]:
         variants.append(FsdpDashrun(model, optimizer, config["interval"], scratch / "dashrun",
                                     DashDaemons(**config["daemons"])))
@@ -920,9 +974,11 @@ def run_fsdp(args, procs: Processes, scratch: Path, log) -> int:
     cores = sorted(os.sched_getaffinity(0))
     rank_cores = [cores[r % len(cores)] for r in range(FSDP_WORLD)]
     side_core = cores[FSDP_WORLD] if len(cores) > FSDP_WORLD else cores[-1]
-    where = (f"rank 0 and rank 1 pinned to cores {rank_cores[0]} and {rank_cores[1]}; dash-memd and dash-agent "
-             f"pinned to core {side_core}" + ("" if len(cores) > FSDP_WORLD else
-                                              f" (only {len(cores)} cores: shared with rank 1)"))
+    where = (f"rank 0 and rank 1 pinned to cores {rank_cores[0]} and {rank_cores[1]}; " + (
+        "dash-memd and dash-agent not pinned (as dashrun's launcher leaves dash-agent on a node with no core to "
+        "spare)" if args.unpinned_daemons else
+        f"dash-memd and dash-agent pinned to core {side_core}" + ("" if len(cores) > FSDP_WORLD else
+                                                                  f" (only {len(cores)} cores: shared with rank 1)")))
     wanted = [v.strip() for v in (args.variants or ",".join(FSDP_LABELS)).split(",") if v.strip()]
     unknown = set(wanted) - set(FSDP_LABELS)
     if unknown:
@@ -934,7 +990,8 @@ def run_fsdp(args, procs: Processes, scratch: Path, log) -> int:
         f"{args.steps} measured steps ({rounds} checkpoints) per variant, interleaved")
     daemons = None
     if "dashrun" in wanted:
-        daemons = start_dash_daemons(scratch / "daemons", procs, side_core, side_core, cwd=REPO, env=child_env())
+        daemon_core = None if args.unpinned_daemons else side_core
+        daemons = start_dash_daemons(scratch / "daemons", procs, daemon_core, daemon_core, cwd=REPO, env=child_env())
         log(f"dashrun: dash-memd pid {daemons.memd.pid}, dash-agent pid {daemons.agent.pid} (logs in "
             f"{scratch / 'daemons'})")
     out = scratch / "results"
@@ -1011,7 +1068,7 @@ def report_fsdp(args, mach, where, per_rank: list[dict], began: float) -> None:
 
     ratios: dict = {}
     checks = []
-    d, ds, da = summary.get("dashrun"), summary.get("dcp.save"), summary.get("dcp")
+    d, ds = summary.get("dashrun"), summary.get("dcp.save")
     if d:
         ratios["stall_ms_per_gib_local"] = stall("dashrun") * 1e3 / (local / GiB) if stall("dashrun") else None
         checks.append(("dashrun stall per checkpoint, ms per GiB of a rank's state",
@@ -1022,11 +1079,18 @@ def report_fsdp(args, mach, where, per_rank: list[dict], began: float) -> None:
                     if d["added_stderr_s"] is not None else "")
             checks.append(("dashrun added training time per checkpoint, % of DCP save's",
                            ratios["added_pct_of_dcp_save"], TARGET_ADDED_PCT_OF_DCP_SAVE, note))
-        if da and da["added_per_checkpoint_s"] and da["added_per_checkpoint_s"] > 0:
-            ratios["added_over_async_save"] = d["added_per_checkpoint_s"] / da["added_per_checkpoint_s"]
-            checks.append(("dashrun added training time per checkpoint / DCP async_save's",
-                           ratios["added_over_async_save"], TARGET_ADDED_OVER_ASYNC_SAVE,
-                           f"{fmt_ms(d['added_per_checkpoint_s'])} / {fmt_ms(da['added_per_checkpoint_s'])}"))
+        for key in ("dcp", "dcp.stager"):
+            da = summary.get(key)
+            label = FSDP_LABELS[key]
+            if da and da["added_per_checkpoint_s"] and da["added_per_checkpoint_s"] > 0:
+                ratios[f"added_over_{key}"] = d["added_per_checkpoint_s"] / da["added_per_checkpoint_s"]
+                checks.append((f"dashrun added training time per checkpoint / {label}'s",
+                               ratios[f"added_over_{key}"], TARGET_ADDED_OVER_ASYNC_SAVE,
+                               f"{fmt_ms(d['added_per_checkpoint_s'])} / {fmt_ms(da['added_per_checkpoint_s'])}"))
+            if da and stall("dashrun") and stall(key):
+                ratios[f"stall_over_{key}"] = stall("dashrun") / stall(key)
+                checks.append((f"dashrun stall per checkpoint / {label}'s", ratios[f"stall_over_{key}"],
+                               TARGET_STALL_OVER_ASYNC_SAVE, f"{fmt_ms(stall('dashrun'))} / {fmt_ms(stall(key))}"))
     ratios["targets"] = {}
     if checks:
         print()
@@ -1048,7 +1112,8 @@ def report_fsdp(args, mach, where, per_rank: list[dict], began: float) -> None:
           "| safe on disk after |",
           "|---|---:|---:|---:|---:|",
           f"| no checkpointing | – | – ({args.steps} steps: {base['block_mean_s'] * rounds:.1f} s) | – | – |"]
-    for key, label in (("dcp.save", "DCP `save`"), ("dcp", "DCP `async_save`"), ("dashrun", "**dashrun**")):
+    for key, label in (("dcp.save", "DCP `save`"), ("dcp", "DCP `async_save`"),
+                       ("dcp.stager", "DCP `async_save` + `DefaultStager`"), ("dashrun", "**dashrun**")):
         if key in summary:
             s = summary[key]
             md.append(f"| {label} | {fmt_ms(stall(key))} | {fmt_ms(s['added_per_checkpoint_s'])} | "

@@ -26,9 +26,14 @@ torch.save's (median and min..max), both added times, and the baseline step
 time (pinning the rank changes it: with ``auto`` torch sizes its thread pool to
 the cores the rank is left).
 
+With ``--back-to-back``, it measures instead as a user who saves often sees it: checkpoints every K steps with
+nothing awaited between them, at intervals of 1x, 2x and 5x the commit time, against torch.save at the same K
+(``scripts/bench_backtoback.py``, whose options it then takes; its docstring says what is measured).
+
 Usage::
 
     python3 scripts/bench_placement.py [--runs 5] [--size-mib 384] [--interval 10] [--rounds 8] [--json OUT]
+    python3 scripts/bench_placement.py --back-to-back [--runs 3] [--size-mib 384] [--multiples 1,2,5] [--json OUT]
 """
 
 from __future__ import annotations
@@ -286,6 +291,11 @@ def report(args, runs: dict[str, list[dict]], took: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--back-to-back" in argv:
+        import bench_backtoback  # here: it imports this module's helpers
+
+        return bench_backtoback.main([a for a in argv if a != "--back-to-back"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="launches per placement (default 5)")
     parser.add_argument("--size-mib", type=float, default=384, help="model + AdamW state size (default 384)")
@@ -298,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one launch may take (default 1800)")
     parser.add_argument("--json", metavar="OUT", help="write every run's figures here")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the scratch directory (logs)")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="checkpoints back to back, nothing awaited between them (bench_backtoback.py's options)")
     # The rank's side: this script, started by dashrun.
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -65,10 +65,11 @@ __all__ = ["NodeSpec", "SimNode", "expected_state", "fleet_memd", "verify_checkp
 HERE = Path(__file__).resolve()
 
 
-def fleet_memd(workdir: Path, token_file: Path, *extra: str) -> Memd:
-    """The fleet's dash-memd (the harness's): its data and log in ``workdir``; killed (SIGKILL) and started again
-    on the same port and data."""
-    return Memd(workdir / "memd-data", token_file, *extra, log_path=workdir / "memd.log", timeout=120)
+def fleet_memd(workdir: Path, token_file: Path, *extra: str, data_dir: Path | None = None, netns=None) -> Memd:
+    """The fleet's dash-memd (the harness's): its data (unless ``data_dir`` says where) and log in ``workdir``;
+    killed (SIGKILL) and started again on the same port and data; ``netns``: the fleet node it runs in."""
+    return Memd(data_dir or workdir / "memd-data", token_file, *extra, log_path=workdir / "memd.log", timeout=120,
+                netns=netns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +139,9 @@ def verify_checkpoint(client: MemdClient, job: str, step: int, state_kib: int) -
 class SimNode:
     """One simulated node: its dash-agent and its group of ranks (a job of its own), under the harness."""
 
-    def __init__(self, index: int, memd: Memd, workdir: Path, spec: NodeSpec):
+    def __init__(self, index: int, memd: Memd, workdir: Path, spec: NodeSpec, netns=None):
         self.index = index
+        self.netns = netns  # the fleet node (dashrun.testing.netns) its agent runs in; its ranks reach it anyway
         self.job = f"sim-{index:03d}"
         self.memd = memd
         self.spec = spec
@@ -160,7 +162,8 @@ class SimNode:
         self.agent = Agent(self.memd, self.socket_path, self.dir / "agent.log",
                            options=("--job-id", self.job, "--cloud", "none", "--memd-timeout", "10",
                                     "--drain-timeout", "5"),
-                           timeout=120, what=f"dash-agent of {self.job}", start_new_session=True).proc
+                           timeout=120, what=f"dash-agent of {self.job}", netns=self.netns,
+                           start_new_session=True).proc
 
     def _start_group(self) -> None:
         spec = self.spec

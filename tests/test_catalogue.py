@@ -106,11 +106,14 @@ def test_full_ram_refuses_only_what_cannot_fit_safely(tmp_path):
     with pytest.raises(NoSpaceError, match="not yet safe on disk"):
         deliver(cat, headers(step=3, rep_total=8192)[0])
     assert cat.latest("j").step == 2            # the previous checkpoint stays valid
+    assert (cat.ledger.evictions, cat.ledger.room_waits) == (0, 1)  # what the metrics of RAM pressure count
+    assert cat.ledger.room_wait_s >= 0.2
     while cat.disk_writer.persist_next(timeout=0):
         pass
     for header in headers(step=3, rep_total=8192):  # now older ones can be evicted to make room
         deliver(cat, header)
     assert cat.latest("j").step == 3
+    assert cat.ledger.evictions >= 1 and cat.ledger.room_waits == 1
     with pytest.raises(NoSpaceError, match="exceeds"):
         cat.receiver.begin_shard(headers(step=4, rep_total=1 << 20, world=1)[0])
 

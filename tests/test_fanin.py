@@ -12,6 +12,7 @@ from test_catalogue import deliver, headers
 from dashrun.errors import NoSpaceError
 from dashrun.memd.store.catalogue import Catalogue
 from dashrun.memd.store.tiers import DiskTier, RamTier
+from dashrun.testing import netns
 
 
 def full_catalogue(tmp_path) -> Catalogue:
@@ -110,7 +111,7 @@ def test_the_fanin_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "fanin.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_fanin.py"), "--nodes", "2", "--ranks", "1", "--state-mib", "1",
-         "--checkpoints", "2", "--warmup", "1", "--modes", "tls", "--workdir", str(tmp_path / "work"),
+         "--checkpoints", "2", "--warmup", "1", "--modes", "tls,pressed", "--workdir", str(tmp_path / "work"),
          "--json", str(out), "--no-speed-targets"], capture_output=True, text=True, timeout=300)
     # The speed targets are not this machine's to meet (it is shared); the memory bound and the restores are.
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -123,3 +124,33 @@ def test_the_fanin_benchmark_runs_end_to_end(tmp_path):
     assert run["restore_problems"] == [] and run["restore_max_s"] > 0
     assert run["idle_rss"] > 0 and run["rss_max"] >= run["idle_rss"]
     assert "aggregate ingest" in proc.stdout and "restore, all nodes at once" in proc.stdout
+    # Unpressed, RAM held everything; pressed (1.25 checkpoints per node), receives evicted to make room, and
+    # dash-memd stayed within its limit and overhead (else the benchmark exits 1).
+    unpressed, pressed = result["results"]
+    assert unpressed["pressure"] == {"evictions": 0, "room_waits": 0, "room_wait_s": 0}
+    assert pressed["mode"] == "pressed" and pressed["pressure"]["evictions"] > 0
+    assert pressed["memory_limit"] == int(1.25 * 2 * (1 << 20)) and pressed["restore_problems"] == []
+    assert "RAM pressure while sending" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_fanin_benchmark_on_shaped_links_is_held_to_dash_memds_link(tmp_path):
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "fanin.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_fanin.py"), "--shaped", "--memd-rate", "8MiB",
+         "--node-rate", "8MiB", "--nodes", "2", "--ranks", "1", "--state-mib", "2", "--checkpoints", "3",
+         "--warmup", "1", "--modes", "tls", "--data-in-memory", "--workdir", str(tmp_path / "work"),
+         "--json", str(out), "--no-speed-targets"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    run = result["results"][0]
+    # The bare pair over dash-memd's veth sees the rate it was shaped to, and the nodes' checkpoints, which
+    # alone could go faster (each node's link is as wide), cannot pass it.
+    assert 0.6 * (8 << 20) < result["memd_link"] < 1.1 * (8 << 20)
+    assert 0 < run["ingest"] < 1.3 * result["memd_link"]
+    assert set(run["node_bytes"]) == {"sim-000", "sim-001"} and all(b > 0 for b in run["node_bytes"].values())
+    assert run["restore_problems"] == []
+    assert "x dash-memd's link" in proc.stdout and "the fair share" in proc.stdout

@@ -103,6 +103,8 @@ def test_dash_memd_metrics_follow_saves_restores_notices_and_refusals(memd_facto
     assert value(after, "dash_memd_notices_total", job="metered", cloud="gcp") == 1
     assert value(after, "dash_memd_errors_total", kind="forbidden") == 1
     assert value(after, "dash_memd_errors_total", kind="disk_write") == 0
+    assert value(after, "dash_memd_ram_evictions_total") == value(after, "dash_memd_ram_room_waits_total") == 0
+    assert value(after, "dash_memd_ram_room_wait_seconds_total") == 0  # 64 MiB held both: RAM never pressed
     assert value(after, "dash_memd_bytes", tier="ram") >= 2 * 2 * SHARD  # both kept in RAM (--keep-ram 2)
     assert value(after, "dash_memd_bytes", tier="object") == 0  # no object tier
     assert value(after, "dash_memd_pending", queue="object") == 0

@@ -103,6 +103,8 @@ class ServerState(Collector):
             object_failing = len(catalogue.uploader.failures) if catalogue.uploader is not None else 0
             quarantined = sum(catalogue.disk.quarantined.values())
             bad_ram = sum(catalogue.ledger.bad_ram.values())
+            ledger = catalogue.ledger
+            pressure = (ledger.evictions, ledger.room_waits, ledger.room_wait_s)
         uploads = catalogue.uploader.pending_uploads() if catalogue.uploader is not None else 0
 
         tiers = GaugeMetricFamily("dash_memd_bytes", "Checkpoint bytes held, per tier (RAM: the bytes its buffers "
@@ -131,6 +133,12 @@ class ServerState(Collector):
         errors.add_metric(["record_tag"], server.tag_failures)
         errors.add_metric(["forbidden"], server.forbidden)
         yield errors
+        yield CounterMetricFamily("dash_memd_ram_evictions", "RAM copies freed (kept on disk, or superseded) to make "
+                                  "room for a receive.", value=pressure[0])
+        yield CounterMetricFamily("dash_memd_ram_room_waits", "Receives that found RAM full of checkpoints not yet "
+                                  "safe on disk and waited for room.", value=pressure[1])
+        yield CounterMetricFamily("dash_memd_ram_room_wait_seconds", "Seconds those receives waited.",
+                                  value=pressure[2])
         yield GaugeMetricFamily("dash_memd_connections", "Client connections open (logged in or logging in).",
                                 value=server.connections())
         step = GaugeMetricFamily("dash_memd_newest_step", "Each job's newest committed step.", labels=["job"])

@@ -36,6 +36,8 @@ __all__ = ["Fleet", "Node", "Relay", "unavailable"]
 
 #: Addresses for the test networks: a /24 per fleet, picked by process id, in a private range.
 TEST_RANGE = ipaddress.ip_network("10.213.0.0/16")
+#: A token bucket of 4 KiB (:func:`_tbf`): the rate holds over milliseconds, not only on average.
+SMALL_BURST = "32kbit"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -67,9 +69,10 @@ class Node:
         self.node_end = f"{fleet.prefix}n{index}"   # in the node's namespace
         self._prefix_len = fleet.subnet.prefixlen
 
-    def _create(self, bridge: str) -> None:
+    def _create(self, bridge: str, mtu: int | None) -> None:
         _ip("netns", "add", self.namespace)
-        _ip("link", "add", self.host_end, "type", "veth", "peer", "name", self.node_end, "netns", self.namespace)
+        _ip("link", "add", self.host_end, *(["mtu", str(mtu)] if mtu else []), "type", "veth", "peer", "name",
+            self.node_end, *(["mtu", str(mtu)] if mtu else []), "netns", self.namespace)
         _ip("link", "set", self.host_end, "master", bridge)
         _ip("link", "set", self.host_end, "up")
         _ip("-n", self.namespace, "addr", "add", f"{self.address}/{self._prefix_len}", "dev", self.node_end)
@@ -99,26 +102,29 @@ class Node:
     def link_up(self) -> None:
         _ip("link", "set", self.host_end, "up")
 
-    def shape(self, rate: str | None) -> None:
-        """Limit what the node sends to ``rate`` (tc's units: ``8mbit``); None lifts the limit."""
-        _tbf(["ip", "netns", "exec", self.namespace], self.node_end, rate)
+    def shape(self, rate: str | None, burst: str = SMALL_BURST) -> None:
+        """Limit what the node sends to ``rate`` (tc's units: ``8mbit``); None lifts the limit. ``burst``: the
+        token bucket's size (see :func:`_tbf`)."""
+        _tbf(["ip", "netns", "exec", self.namespace], self.node_end, rate, burst)
 
-    def shape_inbound(self, rate: str | None) -> None:
+    def shape_inbound(self, rate: str | None, burst: str = SMALL_BURST) -> None:
         """Limit what the node receives to ``rate``: the same tbf on the bridge's end of its veth, whose egress
         is the node's ingress (a qdisc shapes only what leaves a device); None lifts the limit."""
-        _tbf([], self.host_end, rate)
+        _tbf([], self.host_end, rate, burst)
 
 
-def _tbf(prefix: list[str], device: str, rate: str | None) -> None:
+def _tbf(prefix: list[str], device: str, rate: str | None, burst: str = SMALL_BURST) -> None:
     """Replace ``device``'s root qdisc by a token bucket of ``rate`` (None: back to the default).
 
-    The bucket is small (4 KiB), so that the rate holds over milliseconds, not only on average (tbf cuts a GSO
-    packet larger than it into segments). netem is not used: it is missing on some kernels.
+    The bucket is small by default (4 KiB), so that the rate holds over milliseconds, not only on average (tbf
+    cuts a GSO packet larger than it into segments); above a few hundred Mbit/s a bucket that small caps the
+    link below its rate (the kernel's timers refill it too seldom), so a fast link takes a bigger ``burst``.
+    Its packets wait first in, first out: netem, fq_codel, fq and sfq are missing on some kernels.
     """
     base = [*prefix, "tc", "qdisc"]
     subprocess.run([*base, "del", "dev", device, "root"], capture_output=True, timeout=30)
     if rate is not None:
-        subprocess.run([*base, "add", "dev", device, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "1s"],
+        subprocess.run([*base, "add", "dev", device, "root", "tbf", "rate", rate, "burst", burst, "latency", "1s"],
                        capture_output=True, text=True, check=True, timeout=30)
 
 
@@ -153,9 +159,12 @@ def _subnet_index() -> int:
 class Fleet:
     """``count`` nodes, each in its own network namespace, on one bridge in the root namespace."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, mtu: int | None = None):
+        """``mtu``: every link's (None: the kernel's 1500); a cloud's network may carry jumbo frames (9001 on
+        AWS within a VPC), which cost the kernel a sixth of the packets per byte."""
         if not 1 <= count <= 250:
             raise ValueError("a fleet has 1 to 250 nodes")
+        self.mtu = mtu
         tag = os.getpid() % 100000
         self.prefix = f"dt{tag}"  # interface names stay under Linux's 15 characters
         self.bridge = f"{self.prefix}br"
@@ -166,11 +175,11 @@ class Fleet:
     def __enter__(self) -> Fleet:
         self.close()  # what a killed earlier run with the same names may have left
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "add", self.bridge, *(["mtu", str(self.mtu)] if self.mtu else []), "type", "bridge")
             _ip("addr", "add", f"{self.host_address}/{self.subnet.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for node in self.nodes:
-                node._create(self.bridge)
+                node._create(self.bridge, self.mtu)
         except BaseException:
             self.close()
             raise

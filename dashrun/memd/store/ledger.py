@@ -37,6 +37,11 @@ class Ledger:
         self.room_waiters: collections.deque[object] = collections.deque()
         #: RAM copies found changed since they arrived, per job, since dash-memd started: its memory may be failing.
         self.bad_ram: dict[str, int] = {}
+        #: How hard the memory limit presses, since dash-memd started: RAM copies freed to make room for a
+        #: receive, receives that had to wait for room, and the seconds they waited.
+        self.evictions = 0
+        self.room_waits = 0
+        self.room_wait_s = 0.0
 
     def drop_receiving(self, entry: Entry) -> None:
         """Abandon a checkpoint still being received and free what of it arrived."""

@@ -97,6 +97,7 @@ class Retention:
             return False
         victim = min(candidates, key=lambda e: e.info.committed_at)
         self._drop_ram_copy(victim)
+        self.ledger.evictions += 1
         return True
 
     def reserve(self, nbytes: int, for_entry: Entry) -> mmap.mmap:
@@ -106,7 +107,8 @@ class Retention:
         ledger, ram = self.ledger, self.ledger.ram
         waiters = ledger.room_waiters
         me = object()
-        deadline = time.monotonic() + self.room_wait
+        began = time.monotonic()
+        deadline = began + self.room_wait
         try:
             while True:
                 if not waiters or waiters[0] is me:  # nobody who waited longer is owed this room
@@ -124,10 +126,12 @@ class Retention:
                         hint="raise --memory-limit, lower --keep-ram, or give dash-memd a faster disk")
                 if me not in waiters:
                     waiters.append(me)
+                    ledger.room_waits += 1
                 ledger.cond.wait(min(left, ROOM_POLL))
         finally:
             if me in waiters:
                 waiters.remove(me)
+                ledger.room_wait_s += time.monotonic() - began
                 ledger.cond.notify_all()  # the next in line may go
 
     def trim_disk(self, job: str) -> list[Entry]:

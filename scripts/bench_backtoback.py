@@ -47,7 +47,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +57,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import benchlib  # noqa: E402  (scripts/ is sys.path[0] when this runs as a script)
-from bench_placement import agent_of_launcher, forget, spread, start_memd  # noqa: E402
+from bench_placement import agent_of_launcher, launch_rank, spread, start_memd  # noqa: E402
 from variants import TorchSave  # noqa: E402
 
 from dashrun.util.cpus import format_cpus  # noqa: E402
@@ -319,25 +318,11 @@ def parse_multiples(text: str) -> list[float]:
 
 def launch(args, run: int, memd: str, token_file: Path, scratch: Path, procs) -> dict:
     """One ``dashrun --agent-cpus auto`` launch of this script's rank part; its report."""
-    out, log, job = scratch / f"run-{run}.json", scratch / f"run-{run}.log", f"bench-backtoback-{run}"
-    cmd = [sys.executable, "-m", "dashrun", "--memd", memd, "--token-file", str(token_file), "--job-id", job,
-           "--fresh", "--cloud", "none", "--agent-cpus", "auto", "--nproc-per-node", "1",
-           str(Path(__file__).resolve()), "--rank", "--out", str(out), "--memd", memd, "--token-file",
-           str(token_file), "--size-mib", str(args.size_mib), "--multiples", args.multiples, "--checkpoints",
-           str(args.checkpoints), "--warmup", str(args.warmup), "--commit-samples", str(args.commit_samples),
-           "--batch", str(args.batch), "--run-index", str(run)]
-    proc = procs.start("dashrun", cmd, log=log, cwd=benchlib.REPO, env=benchlib.child_env())
-    try:
-        code = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        code = None
-    finally:
-        procs.stop(proc, timeout=30)
-    if code != 0 or not out.exists():
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"dashrun (run {run}) exited with {code}:\n{tail}")
-    forget(memd, token_file, job)
-    return json.loads(out.read_text())
+    return launch_rank(Path(__file__), "auto", f"bench-backtoback-{run}", scratch / f"run-{run}", memd, token_file,
+                       procs, args.timeout,
+                       ["--size-mib", str(args.size_mib), "--multiples", args.multiples, "--checkpoints",
+                        str(args.checkpoints), "--warmup", str(args.warmup), "--commit-samples",
+                        str(args.commit_samples), "--batch", str(args.batch), "--run-index", str(run)])
 
 
 def print_run(r: int, runs: int, rep: dict) -> None:

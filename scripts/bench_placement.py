@@ -178,24 +178,31 @@ def start_memd(procs: benchlib.Processes, scratch: Path, core: int, memory_limit
 
 def launch(args, placement: str, run: int, memd: str, token_file: Path, scratch: Path, procs) -> dict:
     """One ``dashrun`` launch of this script's rank part; its report."""
-    out = scratch / f"{placement}-{run}.json"
-    log = scratch / f"{placement}-{run}.log"
-    job = f"bench-placement-{placement}-{run}"
+    return launch_rank(Path(__file__), placement, f"bench-placement-{placement}-{run}",
+                       scratch / f"{placement}-{run}", memd, token_file, procs, args.timeout,
+                       ["--size-mib", str(args.size_mib), "--interval", str(args.interval), "--rounds",
+                        str(args.rounds), "--warmup", str(args.warmup), "--batch", str(args.batch)])
+
+
+def launch_rank(script: Path, agent_cpus: str, job: str, base: Path, memd: str, token_file: Path, procs,
+                timeout: float, rank_args: list[str]) -> dict:
+    """``dashrun --agent-cpus AGENT_CPUS`` of one rank running ``script --rank`` with ``rank_args``; the report
+    it wrote to ``base``.json (its output in ``base``.log). The job's checkpoints are dropped after it."""
+    out, log = base.with_suffix(".json"), base.with_suffix(".log")
     cmd = [sys.executable, "-m", "dashrun", "--memd", memd, "--token-file", str(token_file), "--job-id", job,
-           "--fresh", "--cloud", "none", "--agent-cpus", placement, "--nproc-per-node", "1",
-           str(Path(__file__).resolve()), "--rank", "--out", str(out), "--memd", memd, "--token-file",
-           str(token_file), "--size-mib", str(args.size_mib), "--interval", str(args.interval), "--rounds",
-           str(args.rounds), "--warmup", str(args.warmup), "--batch", str(args.batch)]
-    proc = procs.start(f"dashrun {placement}", cmd, log=log, cwd=benchlib.REPO, env=benchlib.child_env())
+           "--fresh", "--cloud", "none", "--agent-cpus", agent_cpus, "--nproc-per-node", "1",
+           str(script.resolve()), "--rank", "--out", str(out), "--memd", memd, "--token-file", str(token_file),
+           *rank_args]
+    proc = procs.start(f"dashrun {job}", cmd, log=log, cwd=benchlib.REPO, env=benchlib.child_env())
     try:
-        code = proc.wait(timeout=args.timeout)
+        code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         code = None
     finally:
         procs.stop(proc, timeout=30)
     if code != 0 or not out.exists():
         tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"dashrun --agent-cpus {placement} (run {run}) exited with {code}:\n{tail}")
+        raise RuntimeError(f"dashrun --agent-cpus {agent_cpus} ({job}) exited with {code}:\n{tail}")
     forget(memd, token_file, job)
     return json.loads(out.read_text())
 

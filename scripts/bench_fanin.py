@@ -497,11 +497,11 @@ def shape_fleet(args: argparse.Namespace, fleet: netns.Fleet, nbytes: int) -> di
     """dash-memd's node behind ``--memd-rate`` both ways, every other node behind ``--node-rate``; each link's
     limit measured with a bare TCP pair over its veth (from the root namespace, which no rate holds back)."""
     memd_rate, node_rate = parse_size(args.memd_rate), parse_size(args.node_rate)
-    fleet[0].shape(_tc_rate(memd_rate), _burst(memd_rate, args.mtu))
-    fleet[0].shape_inbound(_tc_rate(memd_rate), _burst(memd_rate, args.mtu))
+    fleet[0].shape(_tc_rate(memd_rate), netns.burst(memd_rate, args.mtu))
+    fleet[0].shape_inbound(_tc_rate(memd_rate), netns.burst(memd_rate, args.mtu))
     for node in fleet.nodes[1:]:
-        node.shape(_tc_rate(node_rate), _burst(node_rate, args.mtu))
-        node.shape_inbound(_tc_rate(node_rate), _burst(node_rate, args.mtu))
+        node.shape(_tc_rate(node_rate), netns.burst(node_rate, args.mtu))
+        node.shape_inbound(_tc_rate(node_rate), netns.burst(node_rate, args.mtu))
     print(f"dash-memd's link ({args.memd_rate}/s) and one node's ({args.node_rate}/s) ...", flush=True)
     return {"memd_link": fleet.measure(None, fleet[0], nbytes),
             "node_link": fleet.measure(fleet[1], None, args.state_mib << 20)}
@@ -510,12 +510,6 @@ def shape_fleet(args: argparse.Namespace, fleet: netns.Fleet, nbytes: int) -> di
 def _tc_rate(bytes_per_s: int) -> str:
     return f"{bytes_per_s * 8}bit"
 
-
-def _burst(bytes_per_s: int, mtu: int | None) -> str:
-    """A token bucket of 0.2 ms of the rate, and at least four packets (tbf drops a packet bigger than its
-    bucket): small enough that the rate holds over milliseconds, big enough that the kernel's timers refill it
-    fast enough at a few hundred MiB/s."""
-    return f"{max(4 * (mtu or 1500), bytes_per_s // 5000)}b"
 
 if __name__ == "__main__":
     sys.exit(main())

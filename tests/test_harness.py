@@ -171,3 +171,15 @@ def test_a_nodes_link_is_shaped_each_way_apart(fleet_factory):
     assert fleet.measure(node, None, nbytes) > 4 * rate
     node.shape_inbound(None)
     assert fleet.measure(None, node, nbytes) > 4 * rate
+
+
+def test_pairs_measured_at_once_share_a_shaped_link(fleet_factory):
+    """Two bare pairs into one node whose inbound link is shaped move at once, so they share its rate: neither
+    gets near all of it (one after the other, each would)."""
+    fleet = fleet_factory(3)
+    node, nbytes, rate = fleet[0], 512 << 10, 8e6 / 8
+    node.shape_inbound("8mbit")
+    rates = fleet.measure_pairs([(fleet[1], node), (fleet[2], node)], nbytes)
+    assert len(rates) == 2 and max(rates) <= 0.85 * rate
+    node.shape_inbound(None)
+    assert min(fleet.measure_pairs([(fleet[1], node), (fleet[2], node)], nbytes)) > 2 * rate

@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Sequence
 
-__all__ = ["Fleet", "Node", "Relay", "unavailable"]
+__all__ = ["Fleet", "Node", "Relay", "burst", "unavailable"]
 
 #: Addresses for the test networks: a /24 per fleet, picked by process id, in a private range.
 TEST_RANGE = ipaddress.ip_network("10.213.0.0/16")
@@ -128,6 +128,13 @@ def _tbf(prefix: list[str], device: str, rate: str | None, burst: str = SMALL_BU
                        capture_output=True, text=True, check=True, timeout=30)
 
 
+def burst(bytes_per_s: int, mtu: int | None = None) -> str:
+    """A token bucket for ``bytes_per_s``: 0.2 ms of the rate and at least four packets (tbf drops a packet
+    bigger than its bucket): small enough that the rate holds over milliseconds, big enough that the kernel's
+    timers refill it fast enough at a few hundred MiB/s."""
+    return f"{max(4 * (mtu or 1500), bytes_per_s // 5000)}b"
+
+
 #: The two ends of :meth:`Fleet.measure`: a plain socket each, the receiver's clock.
 _RECEIVER = """import socket, sys, time
 server = socket.create_server((sys.argv[1], 0))
@@ -204,28 +211,46 @@ class Fleet:
         """Bytes per second a bare TCP pair (no TLS, no framing) moves ``nbytes`` at from ``sender`` to
         ``receiver`` (None: the root namespace, on the bridge): the link's own limit, timed by the receiver from
         its first byte to its last; ``cores``: the sender's and the receiver's, as a benchmark pins its nodes."""
-        where = receiver.address if receiver is not None else self.host_address
-        recv_cmd = [sys.executable, "-c", _RECEIVER, where]
+        return self.measure_pairs([(sender, receiver)], nbytes, timeout, cores)[0]
+
+    def measure_pairs(self, pairs: Sequence[tuple[Node | None, Node | None]], nbytes: int, timeout: float = 120,
+                      cores: tuple[int, int] | None = None) -> list[float]:
+        """:meth:`measure` for several (sender, receiver) pairs moving at once, all senders started together
+        once every receiver listens: the bytes per second of each, as nodes that share links and cores get."""
         send_core, recv_core = cores if cores is not None else (None, None)
-        if recv_core is not None:
-            recv_cmd = ["taskset", "-c", str(recv_core), *recv_cmd]
-        recv = subprocess.Popen(receiver.command(recv_cmd) if receiver else recv_cmd, stdout=subprocess.PIPE,
-                                text=True)
+        receivers, senders = [], []
         try:
-            port = recv.stdout.readline().strip()
-            send_cmd = [sys.executable, "-c", _SENDER, where, port, str(nbytes)]
-            if send_core is not None:
-                send_cmd = ["taskset", "-c", str(send_core), *send_cmd]
-            subprocess.run(sender.command(send_cmd) if sender else send_cmd, check=True, timeout=timeout)
-            got, seconds = recv.communicate(timeout=timeout)[0].split()
+            for _sender, receiver in pairs:
+                where = receiver.address if receiver is not None else self.host_address
+                cmd = _pinned([sys.executable, "-c", _RECEIVER, where], recv_core)
+                receivers.append(subprocess.Popen(receiver.command(cmd) if receiver else cmd, stdout=subprocess.PIPE,
+                                                  text=True))
+            ports = [recv.stdout.readline().strip() for recv in receivers]
+            for (sender, receiver), port in zip(pairs, ports):
+                where = receiver.address if receiver is not None else self.host_address
+                cmd = _pinned([sys.executable, "-c", _SENDER, where, port, str(nbytes)], send_core)
+                senders.append(subprocess.Popen(sender.command(cmd) if sender else cmd))
+            for send in senders:
+                if send.wait(timeout=timeout) != 0:
+                    raise AssertionError(f"a bare sender exited with {send.returncode}")
+            results = [recv.communicate(timeout=timeout)[0].split() for recv in receivers]
         finally:
-            if recv.poll() is None:
-                recv.kill()
-            recv.wait()
-            recv.stdout.close()
-        if int(got) != nbytes:
-            raise AssertionError(f"the receiver got {got} of {nbytes} bytes")
-        return nbytes / float(seconds)
+            for proc in [*senders, *receivers]:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            for recv in receivers:
+                recv.stdout.close()
+        rates = []
+        for got, seconds in results:
+            if int(got) != nbytes:
+                raise AssertionError(f"the receiver got {got} of {nbytes} bytes")
+            rates.append(nbytes / float(seconds))
+        return rates
+
+
+def _pinned(cmd: list[str], core: int | None) -> list[str]:
+    return cmd if core is None else ["taskset", "-c", str(core), *cmd]
 
 
 class Relay:

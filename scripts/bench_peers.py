@@ -57,9 +57,11 @@ ckpt = dashrun.Checkpointer(model=model, optimizer=optimizer, interval=10**9)
 print("READY", flush=True)
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.002)
-started = time.perf_counter()
+started, cpu = time.perf_counter(), os.times()
 step = ckpt.restore()
-print("RESTORED", step, time.perf_counter() - started, time.time(), flush=True)
+spent = os.times()
+print("RESTORED", step, time.perf_counter() - started, time.time(), spent.user - cpu.user,
+      spent.system - cpu.system, flush=True)
 ckpt.close()
 """
 
@@ -160,7 +162,10 @@ class Bench:
             fetched += [float(m.group(1)) for m in re.finditer(rf"fetched {job} step \d+ \(.*?\) in ([\d.]+)s",
                                                                 agent.log())]
         seconds = [float(line[2]) for line in lines]
+        rank_cpu = [float(line[4]) + float(line[5]) for line in lines]
+        rank_system = [float(line[5]) for line in lines]
         return {"per_node_s": seconds, "median_s": statistics.median(seconds), "received_bytes": received,
+                "rank_cpu_s": rank_cpu, "rank_system_cpu_s": rank_system,
                 "wall_s": max(float(line[3]) for line in lines) - released,
                 "agent_fetch_s": statistics.median(fetched) if fetched else None}
 
@@ -346,7 +351,7 @@ def report(r: dict, machine: dict) -> None:
           f"link's limit (bare TCP pair, same veths) {bare / MiB:.0f} MiB/s ({nbytes / bare:.3f} s)")
     print(f"  {'nodes':>5} {'from':6} {'per node, median s':>19} {'agent fetch s':>14} {'wall s':>8} "
           f"{'memd / peers (wall)':>20} {'x peer limit':>13} {'x N pairs at once':>18} {'fetch x limit':>14} "
-          f"{'MiB in':>7}")
+          f"{'MiB in':>7} {'rank CPU s (kernel)':>20}")
     for count, ways in r["restores"].items():
         at_once = r.get("bare_at_once_bytes_s", {}).get(count)
         for way in ("peers", "memd"):
@@ -360,7 +365,9 @@ def report(r: dict, machine: dict) -> None:
                   f"{w['wall_s']:8.3f} {'' if ratio is None else f'{ratio:.1f}x':>20} "
                   f"{'' if limit is None else f'{limit:.2f}':>13} {'' if together is None else f'{together:.2f}':>18} "
                   f"{'' if fetch_limit is None else f'{fetch_limit:.2f}':>14} "
-                  f"{statistics.median(w.get('received_bytes') or [0]) / MiB:7.1f}")
+                  f"{statistics.median(w.get('received_bytes') or [0]) / MiB:7.1f} "
+                  f"{statistics.median(w.get('rank_cpu_s') or [0]):12.3f} "
+                  f"({statistics.median(w.get('rank_system_cpu_s') or [0]):.3f})")
     t = r["training"]
     if t is None:
         return

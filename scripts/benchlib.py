@@ -190,11 +190,14 @@ _RECORD_SENDER = textwrap.dedent("""
 """)
 
 
-def measure_record_pair(nbytes: int, core: int, procs: Processes, kind: str = "sealed", rounds: int = 4) -> dict:
+def measure_record_pair(nbytes: int, core: int, procs: Processes, kind: str = "sealed", rounds: int = 4,
+                        fresh: int = 0) -> dict:
     """The limit of a restore over dashrun's own record layer (:mod:`dashrun.wire.sealed`): a sender on ``core``
     (where dash-memd runs) seals ``nbytes`` in 1 MiB records, as dash-memd does (``kind`` "sealed": AES-128-GCM;
     "signed": the Poly1305 tags of ``--no-tls``), and this process opens them into a reused, touched buffer, as
-    the restoring rank does; nothing else: no login, no frames, no checksum."""
+    the restoring rank does; nothing else: no login, no frames, no checksum. ``fresh``: the last bytes of each
+    round go into memory allocated that round instead (the last round's let go), as a relaunched rank's
+    optimizer state, which has no memory before its restore."""
     import torch
 
     from dashrun.wire.sealed import MAX_RECORD, Records, SignedRecords
@@ -202,25 +205,28 @@ def measure_record_pair(nbytes: int, core: int, procs: Processes, kind: str = "s
     keys = os.urandom(64)
     args = [str(nbytes), str(rounds + 1), kind, keys.hex(), str(REPO)]
     with _peer_process(f"{kind}-sender", _RECORD_SENDER, args, core, procs) as port:
-        dst = torch.ones(nbytes, dtype=torch.uint8)
-        view = memoryview(dst.numpy()).cast("B")
+        fresh = min(fresh, nbytes)
+        dst = torch.ones(nbytes - fresh, dtype=torch.uint8)
         times = []
         with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             records = (Records if kind == "sealed" else SignedRecords)(sock, keys[32:], keys[:32])
             for _ in range(rounds + 1):
                 started = time.perf_counter()
+                new = torch.empty(fresh, dtype=torch.uint8)
                 sock.sendall(b"g")
-                got = 0
-                while got < nbytes:
-                    k = records.recv_into(view[got:], min(nbytes - got, MAX_RECORD))
-                    if not k:
-                        raise RuntimeError(f"the {kind} sender stopped")
-                    got += k
+                for buffer in (dst, new):
+                    view, got = memoryview(buffer.numpy()).cast("B"), 0
+                    while got < len(view):
+                        k = records.recv_into(view[got:], min(len(view) - got, MAX_RECORD))
+                        if not k:
+                            raise RuntimeError(f"the {kind} sender stopped")
+                        got += k
+                    view.release()
                 times.append(time.perf_counter() - started)
-        view.release()
+                del new
         del dst
-    return {**timings(nbytes, times[1:]), "kind": kind}  # the first round warms up
+    return {**timings(nbytes, times[1:]), "kind": kind, "fresh_bytes": fresh}  # the first round warms up
 
 
 class CpuMonitor:

@@ -142,25 +142,35 @@ sys.exit(3)
 """
 
 
-def test_a_launcher_whose_torch_shutdown_hangs_exits_after_the_grace_and_kills_its_ranks(tmp_path):
+@pytest.mark.parametrize("terminal", ["there", "hung up"])
+def test_a_launcher_whose_torch_shutdown_hangs_exits_after_the_grace_and_kills_its_ranks(tmp_path, terminal):
+    """And so it does when its terminal hung up before it could say so (a fan-out closes a host's SSH session
+    after its grace: every write to stderr fails from then on)."""
     launcher = subprocess.Popen([sys.executable, "-c", HUNG_SHUTDOWN], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
         pids = [int(p) for p in launcher.stdout.readline().split()]
         assert launcher.stdout.readline().strip() == "ready"
+        if terminal == "hung up":
+            launcher.stderr.close()  # its writes to stderr fail (EPIPE), as to a terminal hung up (EIO)
         launcher.send_signal(signal.SIGINT)
-        stdout, stderr = launcher.communicate(timeout=60)
+        launcher.wait(timeout=60)  # what it writes in the meantime fits the pipes' buffers
+        stdout = launcher.stdout.read()
+        stderr = launcher.stderr.read() if terminal == "there" else ""
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        for stream in (launcher.stdout, launcher.stderr):
+            stream.close()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 75, stderr
     assert "torch's shutdown" in stdout  # the grace ran out into torch's shutdown, which never ended
-    assert "still running 1.5s after SIGINT (torch's shutdown did not end)" in stderr
+    if terminal == "there":
+        assert "still running 1.5s after SIGINT (torch's shutdown did not end)" in stderr
     for pid in pids:  # the rank and its child are gone (reaped by init once their parents are)
         wait_for(lambda: not _alive(pid), 30, f"process {pid} to be gone")
 

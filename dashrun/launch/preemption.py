@@ -127,8 +127,8 @@ class StopSignals:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
     def _exit_without_torch(self) -> None:
-        print(f"dashrun: still running {self.grace + self.overrun:g}s after {self.signal.name} (torch's shutdown did "
-              "not end): killing what is left of the ranks and exiting", file=sys.stderr, flush=True)
+        _say(f"dashrun: still running {self.grace + self.overrun:g}s after {self.signal.name} (torch's shutdown did "
+             "not end): killing what is left of the ranks and exiting")
         for pid in self.ranks():
             try:
                 os.killpg(pid, signal.SIGKILL)  # torch starts each rank in a session of its own: its children too
@@ -144,8 +144,8 @@ class StopSignals:
         if not self._announced:
             self._announced = True
             again = "; Ctrl-C again kills them now" if self.signal == signal.SIGINT else ""
-            print(f"dashrun: {self.signal.name}: the ranks take an emergency checkpoint and stop (within "
-                  f"{self.grace:g}s{again})", file=sys.stderr)
+            _say(f"dashrun: {self.signal.name}: the ranks take an emergency checkpoint and stop (within "
+                 f"{self.grace:g}s{again})")
         if time.monotonic() - self._received_at > self.grace + self.overrun:
             self._exit_without_torch()
         if not self.launching:
@@ -157,8 +157,7 @@ class StopSignals:
             except ProcessLookupError:
                 pass
         if self.killed is None and time.monotonic() - self._received_at > self.grace:
-            print(f"dashrun: the ranks did not stop within {self.grace:g}s of {self.signal.name}: killing them",
-                  file=sys.stderr)
+            _say(f"dashrun: the ranks did not stop within {self.grace:g}s of {self.signal.name}: killing them")
             self.kill_ranks(f"the grace of {self.grace:g}s ran out")
 
 
@@ -231,12 +230,20 @@ def report_preempted(options: LaunchOptions, watcher: PreemptionWatcher) -> int:
     emergency = (record is not None and record.reason == record.JOB and newest is not None
                  and newest.step == record.step)
     if watcher.stopped_ranks:
-        print("dashrun: error: the ranks were stopped before the notice's deadline without an emergency "
-              "checkpoint; the newest committed one is used on resume", file=sys.stderr)
+        _say("dashrun: error: the ranks were stopped before the notice's deadline without an emergency "
+             "checkpoint; the newest committed one is used on resume")
     elif stopped_by is not None and not emergency:
         killed = f" (killed: {stop.killed})" if stop.killed else ""
-        print(f"dashrun: error: the ranks did not commit an emergency checkpoint after {stopped_by.name}{killed}; "
-              "the newest committed one is used on resume", file=sys.stderr)
+        _say(f"dashrun: error: the ranks did not commit an emergency checkpoint after {stopped_by.name}{killed}; "
+             "the newest committed one is used on resume")
     how = f" (or dashrun resume --job-id {options.job_id})" if resumable else ""
-    print(f"dashrun: preempted by {why}: {where}; run the same command{how} to continue", file=sys.stderr)
+    _say(f"dashrun: preempted by {why}: {where}; run the same command{how} to continue")
     return int(ExitCode.PREEMPTED)
+
+
+def _say(message: str) -> None:
+    """``message`` on stderr, which may be a terminal that hung up (the SSH session of a fan-out, closed after
+    its grace): what is said is lost then, not what the caller goes on to do (the watcher's thread must still
+    stop what is left of the ranks, the launcher still exit 75)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=sys.stderr, flush=True)

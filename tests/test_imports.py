@@ -21,6 +21,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = {"dashrun": REPO / "dashrun", "dashrun.agent": REPO / "agent"}
 MAX_LINES = 500
+#: The house's width of a line of code.
+MAX_WIDTH = 120
 
 
 def _modules() -> dict[str, Path]:
@@ -210,9 +212,12 @@ def test_modules_are_small_documented_and_state_their_public_names():
     problems = []
     for name, path in MODULES.items():
         rel = path.relative_to(REPO)
-        lines = len(path.read_text().splitlines())
+        text = path.read_text().splitlines()
+        lines = len(text)
         if lines > MAX_LINES:
             problems.append(f"{rel}: {lines} lines (at most {MAX_LINES})")
+        problems += [f"{rel}:{i}: {len(line)} characters (at most {MAX_WIDTH})"
+                     for i, line in enumerate(text, 1) if len(line) > MAX_WIDTH]
         if path.name == "__main__.py":
             continue
         tree = ast.parse(path.read_text())

@@ -39,8 +39,8 @@ from dashrun.errors import (ChecksumError, NotFoundError, ProtocolError, SourceC
 from dashrun.util.boundedjson import loads_bounded
 from dashrun.wire.protocol import crc32c
 
-__all__ = ["CHUNK", "MAX_KEY", "MAX_MANIFEST", "MAX_SHARED_OBJECT", "Expected", "Hasher", "ObjectInfo", "Source", "expected_of",
-           "normal_url", "open_source", "valid_key"]
+__all__ = ["CHUNK", "MAX_KEY", "MAX_MANIFEST", "MAX_SHARED_OBJECT", "Expected", "Hasher", "ObjectInfo", "Source",
+           "expected_of", "normal_url", "open_source", "valid_key"]
 
 #: Bytes read from a source at a time.
 CHUNK = 4 << 20

@@ -1,6 +1,7 @@
 """Adapters from training frameworks to :class:`dashrun.Checkpointer`: one small module per framework.
 
-* :mod:`dashrun.integrations.lightning` — ``DashrunCheckpoint``, a Lightning ``Callback`` (extra ``dashrun[lightning]``).
+* :mod:`dashrun.integrations.lightning` — ``DashrunCheckpoint``, a Lightning ``Callback`` (extra
+  ``dashrun[lightning]``).
 * :mod:`dashrun.integrations.hf` — ``DashrunCallback``, a transformers ``TrainerCallback`` (extra ``dashrun[hf]``).
 
 Each translates its framework's state (module, optimizers, schedulers, loop progress, data position) into the

@@ -4,8 +4,8 @@ Every connection must prove it holds the cluster's token within
 ``auth_timeout`` before any state is touched; until then a body may not
 exceed 4 KiB, no data is accepted, and the connection counts against a small
 budget of its own (:mod:`dashrun.memd.admission`). Afterwards a client sends requests one at a time,
-each validated field by field (:mod:`dashrun.wire.protocol`), answered with OK or ERROR. A request that breaks the framing closes the
-connection; one that is merely refused (no space, not found) does not.
+each validated field by field (:mod:`dashrun.wire.protocol`), answered with OK or ERROR. A request that
+breaks the framing closes the connection; one that is merely refused (no space, not found) does not.
 """
 
 from __future__ import annotations

@@ -177,8 +177,10 @@ def test_pairs_measured_at_once_share_a_shaped_link(fleet_factory):
     """Two bare pairs into one node whose inbound link is shaped move at once, so they share its rate: neither
     gets near all of it (one after the other, each would)."""
     fleet = fleet_factory(3)
-    node, nbytes, rate = fleet[0], 512 << 10, 8e6 / 8
-    node.shape_inbound("8mbit")
+    # 2 s of the link for each pair's bytes: a sender that starts half a second after the other (a loaded
+    # machine) still shares it for most of its time
+    node, nbytes, rate = fleet[0], 2 << 20, 16e6 / 8
+    node.shape_inbound("16mbit")
     rates = fleet.measure_pairs([(fleet[1], node), (fleet[2], node)], nbytes)
     assert len(rates) == 2 and max(rates) <= 0.85 * rate
     node.shape_inbound(None)

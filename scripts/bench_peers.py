@@ -146,11 +146,11 @@ class Bench:
             for proc in procs:
                 if proc.stdout.readline().strip() != "READY":
                     raise RuntimeError("a restoring rank did not start")
-            received = [rx_bytes(node) for node in self.newcomers[:count]]
+            received = [node.rx_bytes() for node in self.newcomers[:count]]
             go.touch()
             released = time.time()
             lines = [proc.communicate(timeout=600)[0].split() for proc in procs]
-            received = [rx_bytes(node) - before for node, before in zip(self.newcomers[:count], received)]
+            received = [node.rx_bytes() - before for node, before in zip(self.newcomers[:count], received)]
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -186,13 +186,6 @@ class Bench:
             if agent.proc.poll() is None:
                 agent.stop()
         self.agents.clear()
-
-
-def rx_bytes(node: netns.Node) -> int:
-    """Bytes ``node`` has received over its link (its veth's counter)."""
-    out = node.run(["cat", f"/sys/class/net/{node.node_end}/statistics/rx_bytes"], capture_output=True, text=True,
-                   check=True, timeout=30)
-    return int(out.stdout)
 
 
 def training_cost(bench: Bench, steps: int, interval: int, rounds: int) -> dict:

@@ -95,6 +95,12 @@ class Node:
         """Start ``cmd`` in the node (``subprocess.Popen``'s keywords); the caller stops it."""
         return subprocess.Popen(self.command(cmd), **kwargs)
 
+    def rx_bytes(self) -> int:
+        """Bytes the node has received over its link (its veth's counter)."""
+        out = self.run(["cat", f"/sys/class/net/{self.node_end}/statistics/rx_bytes"], capture_output=True,
+                       text=True, check=True, timeout=30)
+        return int(out.stdout)
+
     def link_down(self) -> None:
         """Cut the node's cable: from now on its packets are dropped, both ways."""
         _ip("link", "set", self.host_end, "down")

@@ -105,7 +105,7 @@ class ServerState(Collector):
             bad_ram = sum(catalogue.ledger.bad_ram.values())
             ledger = catalogue.ledger
             pressure = (ledger.evictions, ledger.room_waits, ledger.room_wait_s)
-        uploads = catalogue.uploader.pending_uploads() if catalogue.uploader is not None else 0
+            uploads = catalogue.uploader.pending_uploads() if catalogue.uploader is not None else 0
 
         tiers = GaugeMetricFamily("dash_memd_bytes", "Checkpoint bytes held, per tier (RAM: the bytes its buffers "
                                   "hold, those being received included).", labels=["tier"])

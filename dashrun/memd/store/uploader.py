@@ -288,8 +288,12 @@ class Uploader:
                 "object_listed": self.listed, "object_error": self.listing_error}
 
     def pending_uploads(self) -> int:
+        """Uploads queued or running; one whose step is already in the bucket is done, though its task has not
+        yet let go (a scrape between the two would show the step both up and waiting)."""
         with self.ledger.cond:
-            return sum(t.kind == "upload" for t in self.tasks) + (self.busy is not None and self.busy.kind == "upload")
+            busy = self.busy
+            running = busy is not None and busy.kind == "upload" and "object" not in busy.entry.tiers
+            return sum(t.kind == "upload" for t in self.tasks) + running
 
     def tasks_left(self) -> int:
         """Object-store tasks queued or running (the initial listing counts as one)."""

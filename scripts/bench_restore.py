@@ -50,12 +50,16 @@ started (its first line ran), imported torch and built the model.
 Placement, as dashrun places a two-core node: the restoring process on the
 first core; dash-memd and dash-agent on the second.
 
+``--ram-only`` keeps torch.load, dash-memd's RAM for the only rank of a node and the pairs, whose state
+fits beside one dash-memd at 4 GiB on a VM of 24 (no DCP directory, no second stack with ``--no-plain``).
+
 With ``--peers`` (root): restore from the fleet's own RAM against dash-memd behind a thin link, in network
 namespaces, and what replicas cost the training nodes (``scripts/bench_peers.py`` says how).
 
 Usage::
 
     python3 scripts/bench_restore.py [--sizes-mib 256,1024,2048] [--rounds 3] [--json OUT]
+    python3 scripts/bench_restore.py --sizes-mib 4096 --ram-only --no-plain --relaunch-rounds 0
     python3 scripts/bench_restore.py --peers [--size-mib 64] [--memd-rate 200mbit] [--json OUT]
 """
 
@@ -210,7 +214,7 @@ def summary(rounds: list[tuple[float, dict[str, float], float | None]], nbytes: 
 
 
 def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processes, cores: tuple[int, int],
-                 plain: bool, first_step: bool = False) -> dict:
+                 plain: bool, first_step: bool = False, ram_only: bool = False) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -245,12 +249,13 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processe
     path = workdir / "state.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
     dcp_dir = workdir / "dcp"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(dcp_dir))
-    for stack in stacks:  # the same through dash-memd: DCP's own save with dashrun.dcp.Writer, as another job
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=step, no_dist=True,
-                 storage_writer=ddcp.Writer(stack.dcp_job, stack.listen, stack.token_file, tls=stack.tls))
-    del model_sd, optim_sd
+    if not ram_only:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(dcp_dir))
+        for stack in stacks:  # the same through dash-memd: DCP's own save with dashrun.dcp.Writer, as another job
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=step, no_dist=True,
+                     storage_writer=ddcp.Writer(stack.dcp_job, stack.listen, stack.token_file, tls=stack.tls))
+        del model_sd, optim_sd
 
     def torch_load(mmap: bool):
         state = torch.load(path, mmap=mmap)
@@ -307,6 +312,8 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processe
     times: dict[str, list[tuple[float, dict[str, float], float | None]]] = {}
     ways = {"torch.load": lambda: torch_load(False), "torch.load(mmap=True)": lambda: torch_load(True),
             "DCP load": dcp_load}
+    if ram_only:  # what a state of 4 GiB leaves room for on a VM of 24: no DCP directory, torch.load alone
+        ways = {"torch.load": ways["torch.load"]}
     for _ in range(rounds + 1):  # the first round warms up (page cache, buffers)
         for name, fn in ways.items():
             times.setdefault(name, []).append(way(fn, relaunched))
@@ -315,6 +322,8 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processe
             # A node of one rank reads the state from dash-memd's RAM straight into its tensors.
             times.setdefault(f"{label}, dash-memd RAM", []).append(
                 way(lambda: restore(stack, 1), relaunched, stack))
+            if ram_only:
+                continue
             # A node of two ranks: the first restore fetches the image from dash-memd's RAM, the second is
             # served the image this node holds.
             times.setdefault(f"{label}, dash-memd RAM, 2-rank node", []).append(
@@ -328,12 +337,16 @@ def measure_size(size: int, rounds: int, workdir: Path, procs: benchlib.Processe
             first = way(lambda: dcp_reader_load(stack, 2), relaunched, stack)
             dcp_reader_load(stack, 2)
             times.setdefault(f"DCP load, dashrun.dcp.Reader{label[7:]}, 2-rank node", []).append(first)
-    for stack in stacks:  # from disk: dash-memd restarted before each round holds nothing in RAM
+    for stack in () if ram_only else stacks:  # from disk: dash-memd restarted before each round, RAM empty
         label = "dashrun --no-tls" if stack.tls.plaintext else "dashrun"
         for _ in range(rounds):
             stack.restart_memd()
             times.setdefault(f"{label}, dash-memd disk", []).append(way(lambda: restore(stack), relaunched, stack))
     times = {name: t[1:] if len(t) > rounds else t for name, t in times.items()}
+    if ram_only:  # the pairs need the room dash-memd's RAM and the agent's staging buffer hold
+        for stack in stacks:
+            procs.stop(stack.agent, timeout=60)
+            procs.stop(stack.memd, timeout=60)
     loopback = benchlib.measure_loopback(nbytes, side_core, procs)
     pairs = {kind: benchlib.measure_record_pair(nbytes, side_core, procs, kind) for kind in ("sealed", "signed")}
     # The same into new memory where the relaunched rank has none: its optimizer's state
@@ -432,14 +445,14 @@ def report(results: list[dict], machine: dict) -> None:
 
 
 def measure(sizes: list[int], rounds: int, procs: benchlib.Processes, cores: tuple[int, int], *, plain: bool,
-            relaunch_rounds: int = 0, first_step: bool = False) -> list[dict]:
+            relaunch_rounds: int = 0, first_step: bool = False, ram_only: bool = False) -> list[dict]:
     """Every way of restoring at each state size (and the relaunch at the first), in scratch directories."""
     results = []
     for index, size in enumerate(sizes):
         workdir = Path(tempfile.mkdtemp(prefix=f"bench-restore-{size // MiB}-"))
         try:
-            result = measure_size(size, rounds, workdir, procs, cores, plain, first_step)
-            if index == 0 and relaunch_rounds:
+            result = measure_size(size, rounds, workdir, procs, cores, plain, first_step, ram_only)
+            if index == 0 and relaunch_rounds and not ram_only:
                 result["relaunch"] = measure_relaunch(result, size, relaunch_rounds, workdir, cores[0])
             result.pop("_stacks"), result.pop("_path")
             results.append(result)
@@ -462,6 +475,8 @@ def main() -> None:
     parser.add_argument("--no-plain", action="store_true", help="skip the --no-tls rows")
     parser.add_argument("--first-step", action="store_true",
                         help="also time the first training step after each restore (what copy-on-write left to it)")
+    parser.add_argument("--ram-only", action="store_true",
+                        help="only torch.load, dash-memd's RAM (one rank) and the pairs: what 4 GiB leaves room for")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -475,7 +490,7 @@ def main() -> None:
     try:
         results = measure([int(s) * MiB for s in args.sizes_mib.split(",")], args.rounds, procs,
                           (train_core, side_core), plain=not args.no_plain, relaunch_rounds=args.relaunch_rounds,
-                          first_step=args.first_step)
+                          first_step=args.first_step, ram_only=args.ram_only)
     finally:
         procs.stop_all()
     report(results, machine)

@@ -4,9 +4,12 @@ preemption record between dash-agent and the launcher."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -220,3 +223,51 @@ def test_write_new_hands_over_every_byte_written_once_in_order(tmp_path, aligned
     assert b"".join(pieces) == bytes(data) == (tmp_path / "f").read_bytes()
     data.release()
     buffer.close()
+
+
+# --- scratch folders -------------------------------------------------------------------------------
+
+_MAKER = """import sys, time
+from dashrun.util.scratch import Scratch
+folder = Scratch("dashrun-test-")
+(folder.path / "job-credential").write_text("secret")
+print(folder.path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_scratch_folder_whose_maker_was_killed_outright_is_removed_by_the_next(tmp_path, monkeypatch):
+    from dashrun.util.scratch import GRACE_S, Scratch, sweep
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    makers = [subprocess.Popen([sys.executable, "-c", _MAKER], env=env, stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    try:
+        killed, alive = (Path(maker.stdout.readline().strip()) for maker in makers)
+        makers[0].send_signal(signal.SIGKILL)  # no finally runs: its folder and the credential in it stay
+        makers[0].wait(timeout=30)
+        assert (killed / "job-credential").exists()
+        unlocked = tmp_path / "dashrun-test-not-ours"  # no lock file: not one of these folders
+        unlocked.mkdir()
+        old = time.time() - 2 * GRACE_S
+        for folder in (killed, alive, unlocked):
+            os.utime(folder, (old, old))
+        monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+        made = Scratch("dashrun-test-")  # sweeps first
+        try:
+            assert not killed.exists()
+            assert (alive / "job-credential").read_text() == "secret"  # its maker holds the lock
+            assert unlocked.is_dir()
+            assert sweep("dashrun-test-", grace_s=0) == []  # the new one is held too
+        finally:
+            made.remove()
+        assert not made.path.exists()
+        makers[1].terminate()
+        makers[1].wait(timeout=30)
+        assert sweep("dashrun-test-", grace_s=0) == [alive]
+    finally:
+        for maker in makers:
+            if maker.poll() is None:
+                maker.kill()
+            maker.wait()
+            maker.stdout.close()

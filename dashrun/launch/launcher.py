@@ -29,11 +29,9 @@ import copy
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,6 +50,7 @@ from dashrun.launch.private_memd import PrivateMemd
 from dashrun.util import daemon
 from dashrun.util.cpus import thread_affinity
 from dashrun.util.retry import Backoff, countdown, retry
+from dashrun.util.scratch import Scratch
 from dashrun.util.tokens import read_token
 from dashrun.wire.credentials import Credential, write_job_credential
 from dashrun.wire.memd_client import MemdClient
@@ -123,8 +122,8 @@ class AgentProcess:
         self.options = options
         self.cpus = cpus
         self.prefetch = prefetch
-        self._dir = Path(tempfile.mkdtemp(prefix="dashrun-"))
-        self.socket_path = self._dir / "agent.sock"
+        self._dir = Scratch("dashrun-")  # a launcher killed outright leaves it to the next to remove
+        self.socket_path = self._dir.path / "agent.sock"
         self._listener: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -188,7 +187,7 @@ class AgentProcess:
 
     def _cleanup(self) -> None:
         self._close_socket()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir.remove()
 
 
 def prepare_job(options: LaunchOptions, argv: list[str], rdzv_id: str | None = None) -> CheckpointInfo | None:
@@ -254,12 +253,12 @@ def job_scoped(options: LaunchOptions):
         credential.for_job(options.job_id)  # UsageError: another job's
         yield options
         return
-    folder = Path(tempfile.mkdtemp(prefix="dashrun-credential-"))  # 0700
+    folder = Scratch("dashrun-credential-")  # 0700; one a killed launcher left is removed by the next
     try:
-        path = write_job_credential(credential.for_job(options.job_id), folder / "job-credential")
+        path = write_job_credential(credential.for_job(options.job_id), folder.path / "job-credential")
         yield dataclasses.replace(options, token_file=path)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        folder.remove()
 
 
 def fetch_ahead(nproc_per_node: int) -> bool:

@@ -750,6 +750,24 @@ def still_open(sock: socket.socket) -> bool:
 
 
 @pytest.mark.slow
+def test_a_shard_whose_notes_for_the_run_history_are_malformed_is_refused_before_it_is_taken(memd_factory):
+    """How the rank's run began and the node's failure domain ride on PUT_SHARD: checked before the shard is
+    accepted, so a bad one never leaves a stored shard behind a connection closed after its reply."""
+    memd = memd_factory("--memory-limit", "64MiB")
+    header = headers("notes", 1, world=1)[0]
+    for bad in ({"restored": "yesterday"}, {"restored": {"step": 2 ** 70}}, {"domain": 7},
+                {"domain": {"zone": "z" * 100_000}}, {"domain": {"market": ["spot"]}}):
+        with authed(memd) as ch:
+            ch.send(Kind.PUT_SHARD, {**header.to_body(), "node": "n1", **bad})
+            expect_closed_with_error(wire(ch), "bad_request")
+    with memd.client(timeout=IO_TIMEOUT) as client:
+        assert client.latest("notes") is None
+        payload = random.Random(7).randbytes(header.nbytes)
+        client.put_shard(header, [payload])  # the same shard, well formed, is taken
+        assert read_back(client, "notes", 1, 1) == {0: payload}
+    assert_healthy(memd)
+
+
 def test_hundreds_of_idle_connections_time_out_and_do_not_block_good_clients(memd_factory):
     auth_timeout = 5.0  # long enough for 300 connects and a client on a loaded machine
     memd = memd_factory("--memory-limit", "64MiB", "--auth-timeout", str(auth_timeout),

@@ -27,6 +27,7 @@ from dashrun.memd.fleet.membership import MEMBERSHIP, Membership
 from dashrun.memd.fleet.rendezvous import RENDEZVOUS, RendezvousStates
 from dashrun.wire.channel import Channel, Frame
 from dashrun.wire.history import Restored
+from dashrun.wire.domain import FailureDomain
 from dashrun.wire.holdings import Holdings, field_domain, holders_to_body
 from dashrun.wire.messages import (MAX_RDZV_WAIT, MAX_STORE_KEYS, MAX_STORE_WAIT, CheckpointInfo, MembershipEvent,
                                    ShardHeader)
@@ -68,11 +69,18 @@ class FleetRequests:
         #: answer is the newer of it and the fleet's (:meth:`locate`).
         self.catalogued: Callable[[str, int | None], CheckpointInfo | None] = lambda job, step=None: None
 
-    def shard_stored(self, header: ShardHeader, body: dict, node: str | None) -> None:
-        """A shard of a PUT_SHARD ``body`` (from ``node``, where said) is stored: the job's run history notes the
-        snapshot, how its rank's run began, and the node's failure domain."""
+    @staticmethod
+    def shard_notes(body: dict) -> tuple[Restored | None, FailureDomain | None]:
+        """What a PUT_SHARD ``body`` tells the run history (how its rank's run began, the node's failure domain),
+        checked before the shard is taken: a malformed one is refused then, not after the shard's reply."""
         restored = Restored.from_body(body["restored"]) if body.get("restored") is not None else None
-        domain = field_domain(body)
+        return restored, field_domain(body)
+
+    def shard_stored(self, header: ShardHeader, notes: tuple[Restored | None, FailureDomain | None],
+                     node: str | None) -> None:
+        """A shard (from ``node``, where said) is stored: the job's run history notes the snapshot, how its
+        rank's run began, and the node's failure domain (``notes``, from :meth:`shard_notes`)."""
+        restored, domain = notes
         self.membership.note_snapshot(header, restored)
         if node is not None:
             self.membership.note_domain(header.job, node, domain)

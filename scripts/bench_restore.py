@@ -476,7 +476,8 @@ def main() -> None:
     parser.add_argument("--first-step", action="store_true",
                         help="also time the first training step after each restore (what copy-on-write left to it)")
     parser.add_argument("--ram-only", action="store_true",
-                        help="only torch.load, dash-memd's RAM (one rank) and the pairs: what 4 GiB leaves room for")
+                        help="only torch.load, dash-memd's RAM (one rank) and the pairs, no relaunch: "
+                        "what a 4 GiB state has room for")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 

@@ -366,7 +366,7 @@ class MemdServer:
     def _put_shard(self, ch: Channel, frame: Frame) -> None:
         header = ShardHeader.from_body(frame.body)
         node = field_str(frame.body, "node", 255) if frame.body.get("node") is not None else None
-        notes = self.fleet.shard_notes(frame.body)
+        restored, domain = self.fleet.shard_notes(frame.body)
         ticket = self.catalogue.receiver.begin_shard(header, cancel=lambda: _hang_up(ch))
         try:
             ch.send(Kind.OK, {"accept": True})
@@ -383,7 +383,7 @@ class MemdServer:
         if node is not None:  # a node is listed once a shard of it was taken, not for announcing one
             self.catalogue.node_seen(header.job, node)
         ch.send(Kind.OK, {"committed": committed, "crc": crc})
-        self.fleet.shard_stored(header, notes, node)  # after the reply: the history's write never delays it
+        self.fleet.shard_stored(header, restored, domain, node)  # after the reply: its write never delays it
 
     def _latest(self, ch: Channel, frame: Frame) -> None:
         step = field_step(frame.body) if frame.body.get("step") is not None else None

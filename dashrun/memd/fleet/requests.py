@@ -76,11 +76,10 @@ class FleetRequests:
         restored = Restored.from_body(body["restored"]) if body.get("restored") is not None else None
         return restored, field_domain(body)
 
-    def shard_stored(self, header: ShardHeader, notes: tuple[Restored | None, FailureDomain | None],
+    def shard_stored(self, header: ShardHeader, restored: Restored | None, domain: FailureDomain | None,
                      node: str | None) -> None:
         """A shard (from ``node``, where said) is stored: the job's run history notes the snapshot, how its
-        rank's run began, and the node's failure domain (``notes``, from :meth:`shard_notes`)."""
-        restored, domain = notes
+        rank's run began, and the node's failure domain (as :meth:`shard_notes` read them)."""
         self.membership.note_snapshot(header, restored)
         if node is not None:
             self.membership.note_domain(header.job, node, domain)
